@@ -1,0 +1,13 @@
+# The README's two commands: `make serve` (install + run the main job) and `make test`.
+.PHONY: serve test install lint bench
+
+serve:
+	scripts/install.sh serve
+	.venv/bin/replaykv generate --preset tiny --prompt "Hello" --max-tokens 16
+
+test:
+	scripts/test.sh
+
+lint:
+	.venv/bin/ruff check replaykv tests bench
+	.venv/bin/mypy replaykv
