@@ -1,0 +1,203 @@
+"""Loading and saving Hugging Face-format checkpoints (config.json + safetensors).
+
+A directory written by transformers' `DeepseekV4ForCausalLM.save_pretrained` loads unchanged;
+`save_pretrained` writes the same layout and parameter names back. Not for: downloading from a
+hub (a model directory must already be on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from replaykv.model.config import DeepseekV4Config
+from replaykv.model.v4 import DeepseekV4ForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Parameters that stay float32 whatever the compute dtype (as transformers keeps them).
+_FP32_SUFFIXES = (
+    "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.weight", "kv_norm.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
+)  # fmt: skip
+_FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.")
+
+
+# DeepSeek's released leaf names -> transformers' names, inside one layer ("attn." / "ffn." already mapped).
+_DEEPSEEK_LEAVES = [
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^hc_(attn|ffn)_(fn|base|scale)$", r"\1_hc.\2"),
+    (r"^self_attn\.attn_sink$", "self_attn.sinks"),
+    (r"^self_attn\.wq_a\.", "self_attn.q_a_proj."),
+    (r"^self_attn\.q_norm\.", "self_attn.q_a_norm."),
+    (r"^self_attn\.wq_b\.", "self_attn.q_b_proj."),
+    (r"^self_attn\.wkv\.", "self_attn.kv_proj."),
+    (r"^self_attn\.wo_a\.", "self_attn.o_a_proj."),
+    (r"^self_attn\.wo_b\.", "self_attn.o_b_proj."),
+    (r"^self_attn\.indexer\.compressor\.", "self_attn.compressor.indexer."),
+    (r"^self_attn\.indexer\.wq_b\.", "self_attn.compressor.indexer.q_b_proj."),
+    (r"^self_attn\.indexer\.weights_proj\.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.ape$", ".position_bias"),
+    (r"^(self_attn(\.compressor(\.indexer)?)?)\.norm\.", r"\1.kv_norm."),
+    (r"^mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"^mlp\.shared_experts\.w1\.", "mlp.shared_experts.gate_proj."),
+    (r"^mlp\.shared_experts\.w2\.", "mlp.shared_experts.down_proj."),
+    (r"^mlp\.shared_experts\.w3\.", "mlp.shared_experts.up_proj."),
+]
+_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def to_transformers_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a checkpoint in any known naming to transformers' names.
+
+    Accepts transformers' names, DeepSeek's released names (`embed.weight`,
+    `layers.N.attn.wq_a.weight`, per-expert `w1/w2/w3`, `head.weight`) and the mix transformers
+    5.24 writes (DeepSeek leaves under `model.`). Per-expert weights are fused into
+    `experts.gate_up_proj` [E, 2I, H] (w1 rows then w3) and `experts.down_proj` [E, H, I].
+    """
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        bare = key[len("model.") :] if key.startswith("model.") else key
+        if bare in _TOP_LEVEL or key in _TOP_LEVEL:
+            out[_TOP_LEVEL.get(bare, _TOP_LEVEL.get(key, key))] = value
+            continue
+        m = re.match(r"^layers\.(\d+)\.(.*)$", bare)
+        if not m:
+            out[key] = value  # lm_head.weight, model.norm.weight, model.hc_head.* in transformers' names
+            continue
+        layer, rest = m.group(1), m.group(2)
+        rest = re.sub(r"^attn\.", "self_attn.", rest)
+        rest = re.sub(r"^ffn\.", "mlp.", rest)
+        for pattern, repl in _DEEPSEEK_LEAVES:
+            rest = re.sub(pattern, repl, rest)
+        em = _EXPERT.match(rest)
+        if em:
+            experts.setdefault((layer, em.group(2)), {})[em.group(1)] = value
+            continue
+        out[f"model.layers.{layer}.{rest}"] = value
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for (layer, which), by_id in experts.items():
+        ordered = [by_id[str(i)] for i in range(len(by_id))] if all(str(i) in by_id for i in range(len(by_id))) else None
+        if ordered is None:
+            raise ValueError(f"layer {layer}: expert ids of {which} are not 0..{len(by_id) - 1}")
+        fused.setdefault(layer, {})[which] = torch.stack(ordered)
+    for layer, parts in fused.items():
+        if set(parts) != {"w1", "w2", "w3"}:
+            raise ValueError(f"layer {layer}: experts need w1, w2 and w3; found {sorted(parts)}")
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([parts["w1"], parts["w3"]], dim=1)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = parts["w2"]
+    return out
+
+
+def to_internal_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' names -> our module names (the indexer sits beside the compressor)."""
+    out = {}
+    for key, value in state.items():
+        if ".self_attn.compressor.indexer." in key:
+            head, tail = key.split(".self_attn.compressor.indexer.")
+            if tail.split(".")[0] in ("kv_proj", "gate_proj", "position_bias", "kv_norm"):
+                tail = "key_compressor." + tail
+            key = f"{head}.self_attn.indexer.{tail}"
+        out[key] = value
+    return out
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        # Copy each tensor into its own allocation: file-buffer alignment can change fp32 rounding.
+        state.update({k: v.clone() for k, v in load_file(str(model_dir / name)).items()})
+    return state
+
+
+def load_config(model_dir: str | Path) -> DeepseekV4Config:
+    raw: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    return DeepseekV4Config.from_dict(raw)
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast to dtype, keeping norms, mixes, sinks, biases and routing tables in float32/int."""
+    for name, p in model.named_parameters():
+        keep = name.endswith(_FP32_SUFFIXES) or any(part in name for part in _FP32_PARTS)
+        p.data = p.data.float() if keep else p.data.to(dtype)
+    return model
+
+
+def load_model(
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32"
+) -> DeepseekV4ForCausalLM:
+    """Build the model from `config.json` and load its weights (transformers names)."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    state = read_state_dict(model_dir)
+    state = {k: v for k, v in state.items() if not k.startswith(("mtp.", "model.mtp."))}
+    state = to_internal_names(to_transformers_names(state))
+    if config.tie_word_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {model_dir} does not match its config: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}"
+        )
+    cast_model(model, parse_dtype(dtype))
+    return model.to(torch.device(device)).eval()
+
+
+def to_transformers_state_dict(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tensor]:
+    """Our state dict under transformers' names (the indexer nested under the compressor)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if ".self_attn.indexer." in k:
+            head, tail = k.split(".self_attn.indexer.")
+            tail = tail.replace("key_compressor.", "")
+            k = f"{head}.self_attn.compressor.indexer.{tail}"
+        out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def save_pretrained(model: DeepseekV4ForCausalLM, model_dir: str | Path) -> None:
+    """Write config.json and model.safetensors in transformers' layout."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg["dtype"] = str(model.lm_head.weight.dtype).replace("torch.", "")
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(to_transformers_state_dict(model), str(model_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,210 @@
+"""Building blocks shared by the DeepSeek-V4 family: norms, mHC hyper-connections and MoE.
+
+Parameter names follow transformers' `deepseek_v4` modules so state dicts load directly.
+Not for: attention or caches (see :mod:`replaykv.model.attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replaykv.model.config import DeepseekV4Config
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 with a float32 weight; casts back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight; the scale is computed in float32, the product in x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class HyperConnection(nn.Module):
+    """One mHC site: from the hc_mult residual streams, compute (pre, post, comb) mixes.
+
+    `fn` [(2+n)·n, n·hidden], `base` [(2+n)·n], `scale` [3]; comb is projected onto doubly
+    stochastic matrices by Sinkhorn-Knopp (one column pass, then iters-1 row/column passes).
+    """
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        n = config.hc_mult
+        self.hc_mult = n
+        self.iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * config.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (float32)."""
+        n = self.hc_mult
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        m = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of the streams: [B, S, n, D] x [B, S, n] -> [B, S, D]."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new_k = post_k * out + sum_j comb[j, k] * stream_j  -> [B, S, n, D]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    """Final stream collapse of DeepSeek-V4 (`hc_head`): sigmoid mixes, no Sinkhorn."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        n = config.hc_mult
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        return hc_collapse(streams, pre + self.eps)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert: a clamped SwiGLU MLP."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Experts(nn.Module):
+    """Routed experts as fused 3-D weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], indices [T, k], weights [T, k] -> [T, H]."""
+        t, k = indices.shape
+        if t * k <= self.num_experts:
+            # Few rows (decode): gather each pick's weights and run them as one batched matmul.
+            flat_idx = indices.reshape(-1)
+            xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+            gate, up = torch.bmm(self.gate_up_proj[flat_idx], xs).squeeze(-1).chunk(2, dim=-1)
+            act = clamped_swiglu(gate, up, self.limit).unsqueeze(-1)
+            y = torch.bmm(self.down_proj[flat_idx], act).squeeze(-1) * weights.reshape(-1, 1).to(x.dtype)
+            return y.view(t, k, -1).sum(dim=1)
+        out = torch.zeros_like(x)
+        flat_idx = indices.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            rows = token_of[start : start + c]
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            out.index_add_(0, rows, (y * w_sorted[start : start + c, None].to(x.dtype)).to(out.dtype))
+            start += c
+        return out
+
+
+class Router(nn.Module):
+    """Top-k router with sqrt-softplus scores.
+
+    Learned routing: selection by top-k of (score + e_score_correction_bias), weights are the
+    unbiased scores of the picks. Hash routing (`tid2eid`): selection is a fixed token-id table.
+    Weights are normalised by their sum (+1e-20) and scaled by routed_scaling_factor.
+    """
+
+    def __init__(self, config: DeepseekV4Config, hashed: bool) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.scaling = config.routed_scaling_factor
+        self.hashed = hashed
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long), persistent=True
+            )
+        else:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32), persistent=True
+            )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], input_ids [T] -> (indices [T, k], weights [T, k])."""
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.hashed:
+            indices = self.tid2eid[input_ids].long()
+        else:
+            biased = scores + self.e_score_correction_bias
+            indices = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, indices)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return indices, w * self.scaling
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared expert."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer] == "hash_moe")
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H], input_ids [B, S] -> [B, S, H]."""
+        flat = x.reshape(-1, x.shape[-1])
+        indices, weights = self.gate(flat, input_ids.reshape(-1))
+        routed = self.experts(flat, indices, weights).view_as(x)
+        return routed + self.shared_experts(x)

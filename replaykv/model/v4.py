@@ -1,0 +1,102 @@
+"""The DeepSeek-V4 text model (transformers' `DeepseekV4ForCausalLM` parameter names).
+
+`DeepseekV4ForCausalLM.forward(input_ids, cache)` runs S new tokens per row on top of what the
+cache view already holds and returns logits. Residuals are hc_mult parallel streams mixed by
+mHC hyper-connections; the last streams collapse through `hc_head`, the final norm and lm_head.
+Not for: owning caches or scheduling requests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replaykv.model.attention import Attention, RopeTables
+from replaykv.model.cache_view import CacheView, LayerCacheView
+from replaykv.model.config import DeepseekV4Config
+from replaykv.model.layers import MoE, HyperConnection, HyperHead, RMSNorm, hc_collapse, hc_expand
+from replaykv.model.rope import inv_freq
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MoE, each wrapped by its own mHC site."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MoE(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RopeTables,
+        cache: LayerCacheView,
+        floors: torch.Tensor,
+    ) -> torch.Tensor:
+        """streams [B, S, n, hidden] -> [B, S, n, hidden]."""
+        pre, post, comb = self.attn_hc.mixes(streams)
+        attn = self.self_attn(self.input_layernorm(hc_collapse(streams, pre)), positions, rope, cache, floors)
+        streams = hc_expand(streams, attn, post, comb)
+        pre, post, comb = self.ffn_hc.mixes(streams)
+        ffn = self.mlp(self.post_attention_layernorm(hc_collapse(streams, pre)), input_ids)
+        return hc_expand(streams, ffn, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    """Embedding, decoder layers, final stream collapse and norm."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+    def rope_tables(self, positions: torch.Tensor) -> RopeTables:
+        c = self.config
+        dev = positions.device
+        freqs = {
+            "main": inv_freq(c.rope_main, c.qk_rope_head_dim, dev),
+            "compress": inv_freq(c.rope_compress, c.qk_rope_head_dim, dev),
+        }
+        return RopeTables(freqs, positions)
+
+    def forward(self, input_ids: torch.Tensor, cache: CacheView) -> torch.Tensor:
+        """input_ids [B, S] -> final hidden states [B, S, hidden]."""
+        b, s = input_ids.shape
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache view has {len(cache.layers)} layers, the model {len(self.layers)}")
+        positions = cache.positions[:, None] + torch.arange(s, device=input_ids.device)
+        rope = self.rope_tables(positions)
+        floors = cache.floors()
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            streams = layer(streams, input_ids, positions, rope, layer_cache, floors)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """`model` + `lm_head` (computed in float32)."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, vocab] ("all") or [B, 1, vocab] ("last"), float32."""
+        hidden = self.model(input_ids, cache)
+        if logits_rows == "last":
+            hidden = hidden[:, -1:]
+        elif logits_rows == "none":
+            return hidden[:, :0].new_zeros(hidden.shape[0], 0, self.config.vocab_size).float()
+        return nn.functional.linear(hidden.float(), self.lm_head.weight.float())
