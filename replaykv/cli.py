@@ -1,0 +1,128 @@
+"""The `replaykv` command line: one entry point, one subcommand per job.
+
+Parsing happens only here; each subcommand calls the library. Not for: library logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+_NOT_YET = {
+    "serve": "the OpenAI-compatible server",
+    "plan": "the capacity planner",
+    "train": "training the small model",
+    "accept": "the acceptance harness",
+}
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import torch
+
+    from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
+
+    if getattr(args, "model", None):
+        return load_model(args.model, device=args.device, dtype=args.dtype), False
+    from replaykv.model.init import init_weights
+    from replaykv.model.presets import get_preset
+    from replaykv.model.v4 import DeepseekV4ForCausalLM
+
+    model = init_weights(DeepseekV4ForCausalLM(get_preset(args.preset)), seed=args.seed)
+    cast_model(model, parse_dtype(args.dtype))
+    return model.to(torch.device(args.device)).eval(), True
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from replaykv.engine.oneshot import score
+
+    ids = json.loads(Path(args.input_ids).read_text())
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or not ids:
+        print("error: --input-ids must hold a non-empty JSON list of integer token ids", file=sys.stderr)
+        return 2
+    model, _ = _load(args)
+    vocab = model.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        print(f"error: token ids out of range [0, {vocab}): {bad[:5]}", file=sys.stderr)
+        return 2
+    logits = score(model, ids, chunk=args.chunk)
+    np.save(args.out, logits.numpy().astype(np.float32))
+    print(f"wrote {args.out}: float32 {tuple(logits.shape)}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from replaykv.engine.oneshot import greedy_generate
+    from replaykv.tokenizer import ByteTokenizer
+
+    model, random_weights = _load(args)
+    tok = ByteTokenizer.load(args.model) if args.model else ByteTokenizer()
+    if random_weights:
+        print(f"note: preset {args.preset!r} with RANDOM weights (no trained model is bundled yet); "
+              "the text below is noise. This is a one-shot generation; the server is not implemented yet.")  # fmt: skip
+    ids = tok.encode(args.prompt, bos=True)
+    ids = [i % model.config.vocab_size for i in ids]
+    t0 = time.perf_counter()
+    new = greedy_generate(model, ids, args.max_tokens, chunk=args.chunk)
+    dt = time.perf_counter() - t0
+    print(f"prompt: {args.prompt!r}")
+    print(f"output: {tok.decode(new)!r}  (token ids {new})")
+    print(f"{len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replaykv", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def model_args(sp: argparse.ArgumentParser, need_model: bool = False) -> None:
+        sp.add_argument("--model", required=need_model, help="model directory (config.json + safetensors)")
+        if not need_model:
+            sp.add_argument("--preset", default="tiny", help="preset used when --model is not given")
+            sp.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        sp.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+        sp.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0 = one shot)")
+
+    sp = sub.add_parser("score", help="teacher-forced float32 logits [S, vocab] of a token sequence")
+    model_args(sp, need_model=True)
+    sp.add_argument("--input-ids", required=True, help="JSON file holding a list of token ids")
+    sp.add_argument("--out", required=True, help="output .npy file")
+    sp.set_defaults(func=cmd_score)
+
+    sp = sub.add_parser("generate", help="one-shot greedy generation")
+    model_args(sp)
+    sp.add_argument("--prompt", default="Hello")
+    sp.add_argument("--max-tokens", type=int, default=16)
+    sp.set_defaults(func=cmd_generate)
+
+    sp = sub.add_parser("store", help="operate on a persistent global-KV store: stats, verify, gc")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _store(a.rest))
+
+    for name, what in _NOT_YET.items():
+        sp = sub.add_parser(name, help=f"{what} (not implemented yet)")
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+        sp.set_defaults(func=lambda a, n=name, w=what: _not_yet(n, w))
+    return p
+
+
+def _store(rest: list[str]) -> int:
+    from replaykv.cache.store_cli import main as store_main
+
+    return int(store_main(rest))
+
+
+def _not_yet(name: str, what: str) -> int:
+    print(f"error: `replaykv {name}` ({what}) is not implemented yet", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

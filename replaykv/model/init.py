@@ -1,0 +1,44 @@
+"""Random initialisation of a model built from a config (for presets without weights and tests).
+
+Follows transformers' scheme: normal(0, 0.02) matrices, unit norms, zero sinks, biases and
+position biases, ones for mHC scales; hash-routing tables are drawn uniformly. Not for: training
+recipes (see :mod:`replaykv.train`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replaykv.model.layers import HyperConnection, HyperHead, RMSNorm, Router
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, HyperConnection):
+            module.fn.copy_(torch.randn(module.fn.shape, generator=gen) * std)
+            module.base.zero_()
+            module.scale.fill_(1.0)
+        elif isinstance(module, HyperHead):
+            module.hc_fn.copy_(torch.randn(module.hc_fn.shape, generator=gen) * std)
+            module.hc_base.zero_()
+            module.hc_scale.fill_(1.0)
+        elif isinstance(module, Router):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+            if module.hashed:
+                n_experts = module.weight.shape[0]
+                module.tid2eid.copy_(torch.randint(0, n_experts, module.tid2eid.shape, generator=gen))
+            else:
+                module.e_score_correction_bias.zero_()
+    for name, p in model.named_parameters():
+        if name.endswith(("sinks", "position_bias")):
+            p.zero_()
+        elif name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
