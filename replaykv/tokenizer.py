@@ -56,5 +56,7 @@ class ByteTokenizer:
             return cls()
         spec = json.loads(path.read_text())
         if spec.get("type") != "byte":
-            raise ValueError(f"{path}: only byte-level tokenizers are supported, got type {spec.get('type')!r}")
+            raise ValueError(
+                f"{path}: only byte-level tokenizers are supported, got type {spec.get('type')!r}"
+            )
         return cls(tuple(spec.get("specials", SPECIALS)))

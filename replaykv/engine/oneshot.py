@@ -53,7 +53,10 @@ def score(model: DeepseekV4ForCausalLM, ids: list[int], chunk: int | None = None
 
 
 def greedy_generate(
-    model: DeepseekV4ForCausalLM, ids: list[int], max_new_tokens: int, chunk: int | None = None,
+    model: DeepseekV4ForCausalLM,
+    ids: list[int],
+    max_new_tokens: int,
+    chunk: int | None = None,
     stop_ids: tuple[int, ...] = (),
 ) -> list[int]:
     """Greedy continuation of `ids` (new token ids only)."""
@@ -76,4 +79,4 @@ def greedy_generate(
 
 
 def _cache_dtype(model: DeepseekV4ForCausalLM) -> torch.dtype:
-    return model.model.layers[0].self_attn.kv_proj.weight.dtype
+    return model.model.embed_tokens.weight.dtype

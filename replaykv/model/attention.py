@@ -47,6 +47,14 @@ class RopeTables:
         return cos_sin(self.freqs[kind], positions)
 
 
+class IndexScorer(nn.Module):
+    """Holds the per-head weight projection of the indexer (`scorer.weights_proj`)."""
+
+    def __init__(self, hidden: int, n_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
 class Indexer(nn.Module):
     """DeepSeek-V4 lightning indexer: its own overlapping compressor at index_head_dim, ReLU-scored
     multi-head keys, top-k per query. Parameters: kv_proj, gate_proj, position_bias, kv_norm,
@@ -62,8 +70,7 @@ class Indexer(nn.Module):
             config.hidden_size, self.head_dim, ratio, overlap=True, eps=config.rms_norm_eps
         )
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.scorer = nn.Module()
-        self.scorer.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.scorer = IndexScorer(config.hidden_size, self.n_heads)
 
     def select(
         self,
@@ -85,20 +92,29 @@ class Indexer(nn.Module):
         q = self.q_b_proj(q_res).view(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None]).float()
         w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, Hi]
+        w = w * self.head_dim**-0.5  # fold the score scale into the head weights
         limit = causal_entry_limit(positions, self.ratio)  # [B, S]
-        entry = torch.arange(n, device=x.device)
         keys_f = keys.float()
-        out = torch.empty(b, s, k, dtype=torch.long, device=x.device)
-        step = max(1, _BLOCK_BUDGET // max(1, self.n_heads * n * b))
-        scale = self.head_dim**-0.5
-        for i0 in range(0, s, step):
+        out = torch.full((b, s, k), -1, dtype=torch.long, device=x.device)
+        i0 = 0
+        while i0 < s:
+            # Block size from the visible prefix of the entries at this block's first query.
+            n_first = max(1, int(limit[:, i0].max().item()))
+            step = max(1, min(s - i0, _BLOCK_BUDGET // max(1, b * self.n_heads * n_first)))
             i1 = min(s, i0 + step)
-            dots = torch.einsum("bqhd,bnd->bqhn", q[:, i0:i1], keys_f)
-            scores = (F.relu(dots) * scale * w[:, i0:i1, :, None]).sum(dim=2)  # [B, Q, N]
-            future = entry[None, None, :] >= limit[:, i0:i1, None]
-            scores = scores.masked_fill(future, float("-inf"))
-            idx = topk_lowest_index(scores, k)
-            out[:, i0:i1] = torch.where(idx >= limit[:, i0:i1, None], torch.full_like(idx, -1), idx)
+            n_vis = int(limit[:, i0:i1].max().item())
+            if n_vis > 0:
+                qb = q[:, i0:i1]
+                nq = i1 - i0
+                dots = torch.matmul(qb.reshape(b, nq * self.n_heads, -1), keys_f[:, :n_vis].transpose(1, 2))
+                dots = F.relu_(dots).view(b, nq, self.n_heads, n_vis)
+                scores = torch.matmul(w[:, i0:i1, None, :], dots).squeeze(-2)  # [B, Q, N]
+                lim = limit[:, i0:i1, None]
+                entry = torch.arange(n_vis, device=x.device)
+                scores = scores.masked_fill_(entry >= lim, float("-inf"))
+                idx = topk_lowest_index(scores, min(k, n_vis))
+                out[:, i0:i1, : idx.shape[-1]] = torch.where(idx >= lim, torch.full_like(idx, -1), idx)
+            i0 = i1
         return out
 
 
@@ -115,60 +131,67 @@ def joint_attention(
 ) -> torch.Tensor:
     """One softmax over window keys, visible compressed entries and the sink.
 
-    q: [B, S, H, D] rotated queries for positions p..p+S-1 (row b: p = win_pos[b, W-1]).
+    q: [B, S, H, D] rotated queries; query i (position p + i) reads window rows j in [i, i + W - 1].
     win_keys: [B, W-1+S, D] window keys; row j sits at position win_pos[b, j].
     floors: [B] first readable window position. sinks: [H] float32.
     entries: [B, N, D] compressed entries (or None); entry_limit: [B, S] visible count per query;
     selection: [B, S, k] selected entry ids (-1 = none) for sparse layers, None for dense layers.
-    Returns [B, S, H, D].
+    Returns [B, S, H, D]. Queries go in blocks of about one window, so each block reads at most
+    2W - 1 window rows and the visible prefix of the entries.
     """
     b, s, h, d = q.shape
     w = window
     scale = d**-0.5
     out = torch.empty_like(q)
-    n_comp = 0 if entries is None else (selection.shape[-1] if selection is not None else entries.shape[1])
-    per_query = h * (w + n_comp + 1) + (0 if selection is None else n_comp * d)
-    step = max(1, min(s, _BLOCK_BUDGET // max(1, b * per_query)))
     key_ok = win_pos >= floors[:, None].clamp(min=0)  # [B, W-1+S]
-    sink_logits = sinks.float().view(1, h, 1, 1)
+    n_sel = 0 if selection is None else selection.shape[-1]
+    step = min(s, max(w, 64))
+    if selection is not None:
+        step = max(1, min(step, _BLOCK_BUDGET // max(1, b * n_sel * d)))
+    sink = sinks.float().view(1, 1, h)
+    band_cache: dict[int, torch.Tensor] = {}
     for i0 in range(0, s, step):
         i1 = min(s, i0 + step)
         nq = i1 - i0
         kw = win_keys[:, i0 : i1 + w - 1]  # [B, L, D]
         length = kw.shape[1]
-        qi = torch.arange(nq, device=q.device)[:, None]
-        kj = torch.arange(length, device=q.device)[None, :]
-        band = (kj >= qi) & (kj <= qi + w - 1)  # [Q, L]
-        mask_w = band[None] & key_ok[:, None, i0 : i0 + length]  # [B, Q, L]
-        qb = q[:, i0:i1]
-        logits = [torch.einsum("bqhd,bld->bhql", qb, kw).float() * scale]
-        logits[0] = logits[0].masked_fill(~mask_w[:, None], float("-inf"))
-        kc: torch.Tensor | None = None
+        if nq not in band_cache:
+            qi = torch.arange(nq, device=q.device)[:, None]
+            kj = torch.arange(length, device=q.device)[None, :]
+            band_cache[nq] = (kj >= qi) & (kj <= qi + w - 1)  # [Q, L]
+        mask_w = band_cache[nq][None] & key_ok[:, None, i0 : i0 + length]  # [B, Q, L]
+        qb = q[:, i0:i1]  # [B, Q, H, D]
+        lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).view(b, nq, h, length).float()
+        lw = lw.mul_(scale).masked_fill_(~mask_w[:, :, None], float("-inf"))
+        mx = torch.maximum(lw.amax(dim=-1), sink)  # [B, Q, H]
+        lc = kc = None
         if entries is not None and entry_limit is not None:
             lim = entry_limit[:, i0:i1]
             if selection is None:
-                kc = entries
-                vis = torch.arange(entries.shape[1], device=q.device)[None, None, :] < lim[..., None]
-                lc = torch.einsum("bqhd,bnd->bhqn", qb, kc).float() * scale
+                n = int(lim.max().item())
+                kc = entries[:, :n]
+                vis = torch.arange(n, device=q.device)[None, None, :] < lim[..., None]  # [B, Q, N]
+                lc = torch.matmul(qb.reshape(b, nq * h, d), kc.transpose(1, 2)).view(b, nq, h, n).float()
             else:
                 sel = selection[:, i0:i1]
                 vis = sel >= 0
-                flat = sel.clamp(min=0).flatten(1)
-                kc = entries.gather(1, flat[..., None].expand(-1, -1, d)).view(b, nq, -1, d)
-                lc = torch.einsum("bqhd,bqkd->bhqk", qb, kc).float() * scale
-            logits.append(lc.masked_fill(~vis[:, None], float("-inf")))
-        logits.append(sink_logits.expand(b, h, nq, 1))
-        joint = torch.cat(logits, dim=-1)
-        joint = joint - joint.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(joint, dim=-1).to(q.dtype)
-        o = torch.einsum("bhql,bld->bqhd", probs[..., :length], kw)
-        if kc is not None:
-            pc = probs[..., length : length + kc.shape[-2]]
+                kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d))
+                kc = kc.view(b * nq, -1, d)
+                lc = torch.bmm(qb.reshape(b * nq, h, d), kc.transpose(1, 2)).view(b, nq, h, -1).float()
+            lc = lc.mul_(scale).masked_fill_(~vis[:, :, None], float("-inf"))
+            if lc.shape[-1]:
+                mx = torch.maximum(mx, lc.amax(dim=-1))
+        pw = torch.exp(lw - mx[..., None])
+        den = pw.sum(dim=-1) + torch.exp(sink - mx)
+        o = torch.matmul(pw.to(q.dtype).view(b, nq * h, length), kw).view(b, nq, h, d)
+        if lc is not None and kc is not None and lc.shape[-1]:
+            pc = torch.exp(lc - mx[..., None])
+            den = den + pc.sum(dim=-1)
             if selection is None:
-                o = o + torch.einsum("bhqn,bnd->bqhd", pc, kc)
+                o = o + torch.matmul(pc.to(q.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
             else:
-                o = o + torch.einsum("bhqk,bqkd->bqhd", pc, kc)
-        out[:, i0:i1] = o
+                o = o + torch.bmm(pc.to(q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
+        out[:, i0:i1] = (o / den[..., None].to(q.dtype)).to(q.dtype)
     return out
 
 
@@ -239,7 +262,9 @@ class Attention(nn.Module):
             limit = causal_entry_limit(positions, self.ratio)
             if self.indexer is not None:
                 assert cache.index_keys is not None
-                ilat, igroups, ivalid = self.indexer.key_compressor.pool(x, positions, start, cache.index_carry)
+                ilat, igroups, ivalid = self.indexer.key_compressor.pool(
+                    x, positions, start, cache.index_carry
+                )
                 if ilat.shape[1]:
                     ikeys = apply_rope(ilat, *rope.at("compress", igroups * self.ratio))
                     scatter_entries(cache.index_keys, ikeys, igroups, ivalid)
@@ -252,4 +277,3 @@ class Attention(nn.Module):
         wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
         z = torch.einsum("ngi,goi->ngo", grouped, wa).reshape(b, s, -1)
         return self.o_b_proj(z)
-

@@ -73,7 +73,7 @@ def to_transformers_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     `experts.gate_up_proj` [E, 2I, H] (w1 rows then w3) and `experts.down_proj` [E, H, I].
     """
     out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    experts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         bare = key[len("model.") :] if key.startswith("model.") else key
         if bare in _TOP_LEVEL or key in _TOP_LEVEL:
@@ -90,15 +90,14 @@ def to_transformers_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             rest = re.sub(pattern, repl, rest)
         em = _EXPERT.match(rest)
         if em:
-            experts.setdefault((layer, em.group(2)), {})[em.group(1)] = value
+            experts.setdefault((layer, str(em.group(2))), {})[str(em.group(1))] = value
             continue
         out[f"model.layers.{layer}.{rest}"] = value
     fused: dict[str, dict[str, torch.Tensor]] = {}
     for (layer, which), by_id in experts.items():
-        ordered = [by_id[str(i)] for i in range(len(by_id))] if all(str(i) in by_id for i in range(len(by_id))) else None
-        if ordered is None:
+        if not all(str(i) in by_id for i in range(len(by_id))):
             raise ValueError(f"layer {layer}: expert ids of {which} are not 0..{len(by_id) - 1}")
-        fused.setdefault(layer, {})[which] = torch.stack(ordered)
+        fused.setdefault(layer, {})[which] = torch.stack([by_id[str(i)] for i in range(len(by_id))])
     for layer, parts in fused.items():
         if set(parts) != {"w1", "w2", "w3"}:
             raise ValueError(f"layer {layer}: experts need w1, w2 and w3; found {sorted(parts)}")
@@ -200,4 +199,6 @@ def save_pretrained(model: DeepseekV4ForCausalLM, model_dir: str | Path) -> None
     cfg = model.config.to_dict()
     cfg["dtype"] = str(model.lm_head.weight.dtype).replace("torch.", "")
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    save_file(to_transformers_state_dict(model), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        to_transformers_state_dict(model), str(model_dir / "model.safetensors"), metadata={"format": "pt"}
+    )

@@ -32,7 +32,9 @@ def ordered_ring(ring: torch.Tensor, positions: torch.Tensor, count: int) -> tor
     return ring.gather(1, slots[..., None].expand(-1, -1, ring.shape[-1]))
 
 
-def write_ring(ring: torch.Tensor, ext: torch.Tensor, ext_start: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+def write_ring(
+    ring: torch.Tensor, ext: torch.Tensor, ext_start: torch.Tensor, keep: torch.Tensor | None = None
+) -> None:
     """Write the last min(R, L) rows of ext (row j is position ext_start + j) into the ring.
 
     ring: [B, R, C]; ext: [B, L, C]; ext_start: [B]. Rows whose position is negative are skipped.
@@ -115,7 +117,9 @@ class Compressor(nn.Module):
         ring = self.ring if r > 1 or self.overlap else 0
         if carry is not None and ring > 0:
             ext_kv = torch.cat([ordered_ring(carry.kv, start, ring), kv], dim=1)
-            ext_gate = torch.cat([ordered_ring(carry.gate, start, ring), gate], dim=1) if gate is not None else None
+            ext_gate = (
+                torch.cat([ordered_ring(carry.gate, start, ring), gate], dim=1) if gate is not None else None
+            )
             ext_start = start - ring
         else:
             ext_kv, ext_gate, ext_start = kv, gate, start
@@ -138,7 +142,11 @@ class Compressor(nn.Module):
         return self.kv_norm(latents), groups, valid
 
     def _pool_groups(
-        self, ext_kv: torch.Tensor, ext_gate: torch.Tensor | None, ext_start: torch.Tensor, groups: torch.Tensor
+        self,
+        ext_kv: torch.Tensor,
+        ext_gate: torch.Tensor | None,
+        ext_start: torch.Tensor,
+        groups: torch.Tensor,
     ) -> torch.Tensor:
         r, d = self.ratio, self.out_dim
         length = ext_kv.shape[1]

@@ -52,7 +52,9 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "yarn"):
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; use 'default' or 'yarn'")
-        if self.rope_type == "yarn" and (self.factor is None or self.original_max_position_embeddings is None):
+        if self.rope_type == "yarn" and (
+            self.factor is None or self.original_max_position_embeddings is None
+        ):
             raise ValueError("a yarn rope needs both 'factor' and 'original_max_position_embeddings'")
 
     @classmethod
@@ -140,7 +142,9 @@ class DeepseekV4Config:
             interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
             object.__setattr__(self, "layer_types", tuple([HCA] * min(n, 2) + interleave))
         if not self.mlp_layer_types:
-            object.__setattr__(self, "mlp_layer_types", tuple(["hash_moe"] * min(n, 3) + ["moe"] * max(0, n - 3)))
+            object.__setattr__(
+                self, "mlp_layer_types", tuple(["hash_moe"] * min(n, 3) + ["moe"] * max(0, n - 3))
+            )
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         for name, types, allowed in (
@@ -148,7 +152,9 @@ class DeepseekV4Config:
             ("mlp_layer_types", self.mlp_layer_types, V4_MLP_LAYER_TYPES),
         ):
             if len(types) != n:
-                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}; give one per layer")
+                raise ValueError(
+                    f"{name} has {len(types)} entries but num_hidden_layers is {n}; give one per layer"
+                )
             bad = sorted({t for t in types if t not in allowed})
             if bad:
                 raise ValueError(f"{name} entries must be one of {allowed}; got {bad}")
@@ -170,7 +176,9 @@ class DeepseekV4Config:
         if self.sliding_window < 1:
             raise ValueError("sliding_window must be >= 1")
         if self.scoring_func != "sqrtsoftplus":
-            raise NotImplementedError(f"scoring_func {self.scoring_func!r} is not implemented; only 'sqrtsoftplus'")
+            raise NotImplementedError(
+                f"scoring_func {self.scoring_func!r} is not implemented; only 'sqrtsoftplus'"
+            )
         if self.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {self.hidden_act!r} is not implemented; only 'silu'")
 
@@ -216,7 +224,9 @@ class DeepseekV4Config:
             try:
                 d["layer_types"] = [_RATIO_TO_LAYER_TYPE[int(r)] for r in ratios]
             except KeyError as e:
-                raise ValueError(f"compress_ratios entry {e.args[0]} is not one of 0, 4, 128 for DeepSeek-V4") from e
+                raise ValueError(
+                    f"compress_ratios entry {e.args[0]} is not one of 0, 4, 128 for DeepSeek-V4"
+                ) from e
         num_hash = d.pop("num_hash_layers", None)
         if d.get("mlp_layer_types") is None and num_hash is not None:
             n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
@@ -269,7 +279,9 @@ class DeepseekV4Config:
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON of every field that changes the network's numbers."""
-        blob = json.dumps({**self.to_dict(), "kv_quant": self.kv_quant}, sort_keys=True, separators=(",", ":"))
+        blob = json.dumps(
+            {**self.to_dict(), "kv_quant": self.kv_quant}, sort_keys=True, separators=(",", ":")
+        )
         return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -73,10 +73,14 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
 
 
-def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_expand(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """new_k = post_k * out + sum_j comb[j, k] * stream_j  -> [B, S, n, D]."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
 
 
 class HyperHead(nn.Module):
@@ -139,22 +143,23 @@ class Experts(nn.Module):
             act = clamped_swiglu(gate, up, self.limit).unsqueeze(-1)
             y = torch.bmm(self.down_proj[flat_idx], act).squeeze(-1) * weights.reshape(-1, 1).to(x.dtype)
             return y.view(t, k, -1).sum(dim=1)
-        out = torch.zeros_like(x)
+        # Many rows: sort the (token, pick) pairs by expert, run each expert once on its rows,
+        # then put the results back in (token, pick) order and sum over the picks.
         flat_idx = indices.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
-        token_of = order // k
-        w_sorted = weights.reshape(-1)[order]
+        x_sorted = x[order // k]
+        y_sorted = torch.empty_like(x_sorted)
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            rows = token_of[start : start + c]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
-            out.index_add_(0, rows, (y * w_sorted[start : start + c, None].to(x.dtype)).to(out.dtype))
+            gate, up = F.linear(x_sorted[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y_sorted[start : start + c] = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
             start += c
-        return out
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        return (y.view(t, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
 
 
 class Router(nn.Module):
@@ -171,13 +176,17 @@ class Router(nn.Module):
         self.scaling = config.routed_scaling_factor
         self.hashed = hashed
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.tid2eid: torch.Tensor
+        self.e_score_correction_bias: torch.Tensor
         if hashed:
             self.register_buffer(
                 "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long), persistent=True
             )
         else:
             self.register_buffer(
-                "e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32), persistent=True
+                "e_score_correction_bias",
+                torch.zeros(config.n_routed_experts, dtype=torch.float32),
+                persistent=True,
             )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

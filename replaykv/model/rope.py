@@ -25,7 +25,9 @@ def inv_freq(rope: RopeConfig, rope_dim: int, device: torch.device | None = None
     low, high = yarn_low_high(rope, rope_dim)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(
+        0, 1
+    )
     keep = 1 - ramp  # 1 where the pair keeps its original (high) frequency
     return interpolation * (1 - keep) + extrapolation * keep
 

@@ -14,7 +14,7 @@ from torch import nn
 from replaykv.model.attention import Attention, RopeTables
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.config import DeepseekV4Config
-from replaykv.model.layers import MoE, HyperConnection, HyperHead, RMSNorm, hc_collapse, hc_expand
+from replaykv.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, hc_collapse, hc_expand
 from replaykv.model.rope import inv_freq
 
 
@@ -70,7 +70,7 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView) -> torch.Tensor:
         """input_ids [B, S] -> final hidden states [B, S, hidden]."""
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"cache view has {len(cache.layers)} layers, the model {len(self.layers)}")
         positions = cache.positions[:, None] + torch.arange(s, device=input_ids.device)

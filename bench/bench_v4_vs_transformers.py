@@ -1,0 +1,231 @@
+"""replaykv versus transformers on the same tiny DeepSeek-V4 config and the same tokens.
+
+Prefill at 1K / 4K / 8K / 16K tokens for both, 32K and 128K for replaykv alone, and 128 decode
+steps after a 16K prefill. Every measurement runs in its own child process so its peak memory
+(the process's peak resident set above its level just before the timed call) is clean.
+
+    python bench/bench_v4_vs_transformers.py [--sizes 1024,4096,8192,16384] [--ours-only 32768,131072]
+        [--decode-context 16384] [--decode-steps 128] [--skip-hf] [--write docs/benchmarks.md]
+
+Prints a Markdown table; with --write, replaces the section between the markers in that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK_BEGIN = "<!-- bench_v4_vs_transformers:begin -->"
+MARK_END = "<!-- bench_v4_vs_transformers:end -->"
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def make_checkpoint(directory: Path) -> None:
+    """Random transformers model of the `tiny` preset's shape, saved with save_pretrained."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from replaykv.model.presets import v4_tiny
+
+    cfg = v4_tiny().to_dict()
+    for key in ("architectures", "model_type", "qk_rope_head_dim"):
+        cfg.pop(key, None)
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, model.config.n_routed_experts, b.shape))
+    model.save_pretrained(directory)
+
+
+def worker(impl: str, model_dir: str, mode: str, n: int, steps: int) -> dict[str, float]:
+    import torch
+
+    torch.manual_seed(1)
+    if impl == "hf":
+        from transformers import DeepseekV4ForCausalLM
+        from transformers.cache_utils import DynamicCache
+
+        model = DeepseekV4ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+        vocab = model.config.vocab_size
+    else:
+        from replaykv.cache.views import advance, allocate_view
+        from replaykv.engine.oneshot import prefill
+        from replaykv.model.checkpoint import load_model
+        from replaykv.model.spec import ModelSpec
+
+        model = load_model(model_dir)
+        vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, n))
+    result: dict[str, float] = {}
+    with torch.inference_mode():
+        # warm-up on a short input so one-time costs do not count
+        if impl == "hf":
+            model(ids[:, :64])
+        else:
+            prefill(model, ids[:, :64], allocate_view(ModelSpec.from_config(model.config), 1, 64))
+        base = _rss_now()
+        _reset_peak()
+        t0 = time.perf_counter()
+        if impl == "hf":
+            cache = DynamicCache(config=model.config) if mode == "decode" else None
+            out = model(ids, cache=cache, use_cache=mode == "decode", logits_to_keep=1)
+            nxt = out.logits[:, -1:].argmax(-1)
+        else:
+            view = allocate_view(ModelSpec.from_config(model.config), 1, n + steps + 1)
+            logits = prefill(model, ids, view, logits_rows="last")
+            nxt = logits[:, -1:].argmax(-1)
+        result["prefill_s"] = time.perf_counter() - t0
+        result["peak_bytes"] = float(max(0, _peak_rss() - base))
+        if mode == "decode":
+            t0 = time.perf_counter()
+            for i in range(steps):
+                if impl == "hf":
+                    pos = torch.tensor([[n + i]])
+                    out = model(nxt, cache=cache, use_cache=True, position_ids=pos)
+                    nxt = out.logits[:, -1:].argmax(-1)
+                else:
+                    logits = model(nxt, view, logits_rows="last")
+                    advance(view, 1)
+                    nxt = logits[:, -1:].argmax(-1)
+            result["decode_ms_per_token"] = (time.perf_counter() - t0) / steps * 1000
+    return result
+
+
+def run_child(impl: str, model_dir: Path, mode: str, n: int, steps: int = 0) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--worker", impl, str(model_dir), mode, str(n), str(steps)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"error": 1.0, "wall": time.perf_counter() - t0, "stderr": proc.stderr[-2000:]}  # type: ignore[dict-item]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fmt_s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f} s"
+
+
+def fmt_gb(x: float | None) -> str:
+    return "—" if x is None else f"{x / 2**30:.2f} GiB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", nargs=5, metavar=("IMPL", "DIR", "MODE", "N", "STEPS"))
+    ap.add_argument("--sizes", default="1024,4096,8192,16384")
+    ap.add_argument("--ours-only", default="32768,131072")
+    ap.add_argument("--decode-context", type=int, default=16384)
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--write", default="")
+    args = ap.parse_args()
+    if args.worker:
+        impl, model_dir, mode, n, steps = args.worker
+        print(json.dumps(worker(impl, model_dir, mode, int(n), int(steps))))
+        return 0
+
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    ours_only = [int(s) for s in args.ours_only.split(",") if s]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny-v4"
+        make_checkpoint(model_dir)
+        for n in sizes + ours_only:
+            ours = run_child("ours", model_dir, "prefill", n)
+            hf = None if (args.skip_hf or n in ours_only) else run_child("hf", model_dir, "prefill", n)
+            rows.append((n, ours, hf))
+            print(n, ours, hf, file=sys.stderr, flush=True)
+        dec_ours = run_child("ours", model_dir, "decode", args.decode_context, args.decode_steps)
+        dec_hf = (
+            None
+            if args.skip_hf
+            else run_child("hf", model_dir, "decode", args.decode_context, args.decode_steps)
+        )
+        print("decode", dec_ours, dec_hf, file=sys.stderr, flush=True)
+
+    lines = [
+        MARK_BEGIN,
+        "",
+        f"Tiny DeepSeek-V4 (`tiny` preset: 6 layers — 2 sliding, 2 CSA, 2 HCA — hidden 128, window 128, "
+        f"~3.8M parameters), float32, {os.cpu_count()} CPU cores, one process per measurement. "
+        "Peak memory is the peak resident set of that process above its level just before the timed call. "
+        "transformers runs its eager forward (the only attention it ships for V4).",
+        "",
+        "| prefill tokens | replaykv | transformers | speed-up | replaykv peak | transformers peak | memory ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, ours, hf in rows:
+        o_t = None if "error" in ours else ours["prefill_s"]
+        o_m = None if "error" in ours else ours["peak_bytes"]
+        h_t = None if (hf is None or "error" in hf) else hf["prefill_s"]
+        h_m = None if (hf is None or "error" in hf) else hf["peak_bytes"]
+        speed = f"{h_t / o_t:.1f}×" if (h_t and o_t) else ("not run" if hf is None else "failed")
+        mem = f"{h_m / o_m:.1f}×" if (h_m and o_m) else "—"
+        lines.append(
+            f"| {n:,} | {fmt_s(o_t)} | {fmt_s(h_t)} | {speed} | {fmt_gb(o_m)} | {fmt_gb(h_m)} | {mem} |"
+        )
+    lines += [
+        "",
+        f"Decode after a {args.decode_context:,}-token prefill ({args.decode_steps} greedy steps):",
+        "",
+    ]
+    o_d = dec_ours.get("decode_ms_per_token")
+    h_d = None if dec_hf is None else dec_hf.get("decode_ms_per_token")
+    ratio = f"{h_d / o_d:.2f}×" if (o_d and h_d) else "—"
+    lines += [
+        "| | replaykv | transformers | speed-up |",
+        "|---|---:|---:|---:|",
+        f"| ms per decoded token | {o_d if o_d is None else f'{o_d:.2f}'} | "
+        f"{h_d if h_d is None else f'{h_d:.2f}'} | {ratio} |",
+        "",
+        MARK_END,
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        path = Path(args.write)
+        text = path.read_text() if path.exists() else ""
+        if MARK_BEGIN in text and MARK_END in text:
+            head, rest = text.split(MARK_BEGIN, 1)
+            _, tail = rest.split(MARK_END, 1)
+            text = head + table + tail
+        else:
+            text = text + ("\n" if text else "") + table + "\n"
+        path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""Prefix keys: the names under which global-KV chunks and SWA snapshots are stored.
+
+For: turning (everything that changes the cached bytes, tenant salt, token ids) into
+32-byte SHA-256 keys that are identical across processes, machines and Python versions
+(no ``hash()``, no pickling), and hex helpers for file and Redis names.
+
+Not for: deciding what is cached or where (``cache/manager.py``), or storing anything.
+
+Encoding (version 1, all integers little-endian, every variable-length item framed by
+its length so no two inputs share an encoding):
+
+* ``frame(b)``          = ``u64 len(b) || b``
+* namespace seed        = ``SHA-256(frame(b"replaykv.keys.v1") || for each field in
+  declaration order: frame(field name) || frame(typed value))``, where a ``str`` is its
+  UTF-8 bytes (``surrogatepass``), an ``int`` is ``i64``, a tuple is ``u64 count`` followed
+  by its framed items, and the tenant salt is its bytes (a ``str`` salt is first encoded as
+  UTF-8, so ``"acme"`` and ``b"acme"`` name the same tenant).
+* token ids             = ``int64`` little-endian (``numpy '<i8'``), 8 bytes per token;
+  ids must be in ``[0, 2**63)``.
+* chunk key ``k_i``     = ``SHA-256(b"RKV-CHUNK\\x00" || k_{i-1} || frame(tokens of chunk i))``
+  with ``k_{-1}`` = the namespace seed; one key per COMPLETE chunk.
+* prefix key (any n)    = ``SHA-256(b"RKV-PREFIX" || k_last || frame(tokens after the last
+  complete chunk))``; the tag differs from the chunk tag, so a prefix key never equals a
+  chunk key, even when n is a multiple of the chunk size (the tail is then empty).
+
+Both tags are 10 bytes and the parent is always 32 bytes, so the layout is unambiguous.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import TypeAlias
+
+import numpy as np
+
+__all__ = [
+    "KEY_BYTES",
+    "TOKEN_DTYPE",
+    "KeyNamespace",
+    "TokenIds",
+    "chunk_keys",
+    "key_from_hex",
+    "key_hex",
+    "next_chunk_key",
+    "prefix_key",
+]
+
+KEY_BYTES = 32
+"""Every key is a raw SHA-256 digest of this many bytes."""
+
+TOKEN_DTYPE = np.dtype("<i8")
+"""Token ids are hashed as little-endian int64 (8 bytes per token)."""
+
+TokenIds: TypeAlias = Sequence[int] | np.ndarray
+"""Token ids: a list/tuple of ints, or a 1-D integer numpy array (CPU torch tensors convert too)."""
+
+_DOMAIN = b"replaykv.keys.v1"
+_CHUNK_TAG = b"RKV-CHUNK\x00"
+_PREFIX_TAG = b"RKV-PREFIX"
+assert len(_CHUNK_TAG) == len(_PREFIX_TAG) == 10
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+def _frame(data: bytes) -> bytes:
+    return _U64.pack(len(data)) + data
+
+
+def _encode_str(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
+
+
+def _encode_field(name: str, value: object) -> bytes:
+    if isinstance(value, bool):
+        raise TypeError(f"KeyNamespace.{name}: bool is not a valid field value")
+    if isinstance(value, str):
+        body = _encode_str(value)
+    elif isinstance(value, int):
+        body = _I64.pack(value)
+    elif isinstance(value, bytes):
+        body = value
+    elif isinstance(value, tuple):
+        body = _U64.pack(len(value)) + b"".join(_frame(_encode_field(name, item)) for item in value)
+    else:
+        raise TypeError(f"KeyNamespace.{name}: cannot encode {type(value).__name__}")
+    return body
+
+
+@dataclass(frozen=True)
+class KeyNamespace:
+    """Everything that changes the bytes of a cached entry, plus the tenant salt.
+
+    Two requests share cache entries only if every field is equal. ``tenant_salt`` is set by
+    the server from the API key (never by the client); any bytes or str is accepted (empty,
+    megabytes long, ``"../"``, NUL bytes): it is only ever hashed, never used as a name.
+
+    Fields:
+        model_config_hash: digest of the model's config (architecture, sizes, schedule).
+        weights_digest: digest or revision of the weights (a fine-tune changes every entry).
+        kv_layout_version: version of the byte layouts of compressed KV / index keys / window entries.
+        kv_dtypes: dtypes of the cached items, e.g. ``("fp4_e2m1", "ue8m0", "fp8_e4m3")``.
+        compress_ratios: per-layer compression schedule, e.g. ``(0, 0, 2, 1, ...)``.
+        chunk_size: tokens per global-KV chunk (256 by default in the engine).
+        tenant_salt: isolation domain; ``str`` is encoded as UTF-8.
+    """
+
+    model_config_hash: str
+    weights_digest: str
+    kv_layout_version: int
+    kv_dtypes: tuple[str, ...]
+    compress_ratios: tuple[int, ...]
+    chunk_size: int
+    tenant_salt: bytes | str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists for convenience; store tuples so the namespace stays hashable.
+        for name in ("kv_dtypes", "compress_ratios"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif not isinstance(value, tuple):
+                raise TypeError(f"KeyNamespace.{name} must be a tuple, got {type(value).__name__}")
+        for name in ("model_config_hash", "weights_digest"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(
+                    f"KeyNamespace.{name} must be a non-empty str (e.g. the SHA-256 hex of the config or "
+                    f"of the weights index); got {value!r}"
+                )
+        if not all(isinstance(d, str) and d for d in self.kv_dtypes) or not self.kv_dtypes:
+            raise ValueError(f"KeyNamespace.kv_dtypes must be non-empty dtype names; got {self.kv_dtypes!r}")
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.compress_ratios):
+            raise ValueError(
+                f"KeyNamespace.compress_ratios must be ints >= 0 (0 = window-only layer); got {self.compress_ratios!r}"
+            )
+        if isinstance(self.kv_layout_version, bool) or not isinstance(self.kv_layout_version, int):
+            raise TypeError("KeyNamespace.kv_layout_version must be an int")
+        if self.kv_layout_version < 0:
+            raise ValueError(f"KeyNamespace.kv_layout_version must be >= 0; got {self.kv_layout_version}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(
+                f"KeyNamespace.chunk_size must be a positive int (e.g. 256); got {self.chunk_size!r}"
+            )
+        if not isinstance(self.tenant_salt, (bytes, str)):
+            raise TypeError(
+                f"KeyNamespace.tenant_salt must be bytes or str; got {type(self.tenant_salt).__name__}"
+            )
+
+    @property
+    def salt_bytes(self) -> bytes:
+        salt = self.tenant_salt
+        return _encode_str(salt) if isinstance(salt, str) else bytes(salt)
+
+    @cached_property
+    def _seed(self) -> bytes:
+        h = hashlib.sha256(_frame(_DOMAIN))
+        for f in fields(self):
+            value: object = self.salt_bytes if f.name == "tenant_salt" else getattr(self, f.name)
+            h.update(_frame(_encode_str(f.name)))
+            h.update(_frame(_encode_field(f.name, value)))
+        return h.digest()
+
+    def seed(self) -> bytes:
+        """The 32-byte SHA-256 root of every key in this namespace (parent of chunk 0)."""
+        return self._seed
+
+    def seed_hex(self) -> str:
+        return self._seed.hex()
+
+
+def _as_token_array(tokens: TokenIds) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of token ids; got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=TOKEN_DTYPE)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers; got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError("token ids must be < 2**63")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"token ids must be >= 0; got {int(arr.min())}")
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
+
+
+def _check_parent(parent: bytes) -> None:
+    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
+        raise ValueError(f"a parent key must be {KEY_BYTES} bytes")
+
+
+def _chunk_digest(parent: bytes, token_bytes: bytes) -> bytes:
+    return hashlib.sha256(_CHUNK_TAG + parent + _frame(token_bytes)).digest()
+
+
+def next_chunk_key(parent: bytes, chunk_tokens: TokenIds) -> bytes:
+    """Key of one chunk given its parent (the previous chunk key, or ``namespace.seed()``).
+
+    The caller guarantees the chunk is complete; for a possibly partial tail use :func:`prefix_key`.
+    """
+    _check_parent(parent)
+    return _chunk_digest(parent, _as_token_array(chunk_tokens).tobytes())
+
+
+def _resolve_chunk_size(namespace: KeyNamespace, chunk_size: int | None) -> int:
+    if chunk_size is None:
+        return namespace.chunk_size
+    if chunk_size != namespace.chunk_size:
+        raise ValueError(
+            f"chunk_size {chunk_size} differs from the namespace's chunk_size {namespace.chunk_size}; "
+            "the chunk size is part of the key, so build a namespace with the size you want"
+        )
+    return chunk_size
+
+
+def chunk_keys(namespace: KeyNamespace, tokens: TokenIds, chunk_size: int | None = None) -> list[bytes]:
+    """One 32-byte key per COMPLETE chunk of ``tokens``; key i covers ``tokens[: (i + 1) * chunk_size]``.
+
+    ``chunk_size`` defaults to (and must equal) ``namespace.chunk_size``. A trailing partial
+    chunk gets no key here (see :func:`prefix_key`).
+    """
+    size = _resolve_chunk_size(namespace, chunk_size)
+    arr = _as_token_array(tokens)
+    keys: list[bytes] = []
+    parent = namespace.seed()
+    for start in range(0, (arr.size // size) * size, size):
+        parent = _chunk_digest(parent, arr[start : start + size].tobytes())
+        keys.append(parent)
+    return keys
+
+
+def prefix_key(namespace: KeyNamespace, tokens: TokenIds) -> bytes:
+    """Key of the exact prefix ``tokens`` (any length, including 0 and chunk multiples).
+
+    Chains the complete chunks as :func:`chunk_keys` does, then hashes the framed partial tail
+    under a distinct tag. Used for SWA snapshots taken at turn boundaries.
+    """
+    arr = _as_token_array(tokens)
+    size = namespace.chunk_size
+    complete = chunk_keys(namespace, arr[: (arr.size // size) * size])
+    parent = complete[-1] if complete else namespace.seed()
+    tail = arr[len(complete) * size :]
+    return hashlib.sha256(_PREFIX_TAG + parent + _frame(tail.tobytes())).digest()
+
+
+def key_hex(key: bytes) -> str:
+    """Lower-case hex of a 32-byte key (64 characters); used for file names and Redis keys."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"a key must be {KEY_BYTES} bytes; got {key!r:.80}")
+    return key.hex()
+
+
+def key_from_hex(text: str) -> bytes:
+    """Inverse of :func:`key_hex`; raises ``ValueError`` unless ``text`` is 64 hex characters."""
+    if len(text) != 2 * KEY_BYTES:
+        raise ValueError(f"a key in hex has {2 * KEY_BYTES} characters; got {len(text)}")
+    try:
+        return bytes.fromhex(text)
+    except ValueError as exc:
+        raise ValueError(f"not a hex key: {text!r}") from exc

@@ -1,0 +1,452 @@
+"""DirectoryStore: round trip, tenants, restart, corruption, write/read faults, capacity, retention, races."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import struct
+import subprocess
+import sys
+import threading
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import replaykv.cache.store as store_mod
+from replaykv.cache.keys import chunk_keys, key_hex
+from replaykv.cache.store import STORE_HEADER, DirectoryStore, EntryMeta, GlobalKVStore
+from tests.cache.conftest import FakeClock, make_namespace
+
+HDR = STORE_HEADER.size
+MiB = 1 << 20
+
+
+def k(i: int) -> bytes:
+    return hashlib.sha256(b"store-test-%d" % i).digest()
+
+
+def payload_for(i: int, size: int = 1000) -> bytes:
+    seed = hashlib.sha256(b"payload-%d" % i).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+def entry_path(root: Path, key: bytes) -> Path:
+    h = key_hex(key)
+    return root / "entries" / h[:2] / h[2:4] / f"{h}.kv"
+
+
+def files_under(root: Path, suffix: str) -> list[Path]:
+    return [p for p in (root / "entries").rglob("*") if p.is_file() and p.name.endswith(suffix)]
+
+
+# ---------------------------------------------------------------- round trip and tenants
+def test_round_trip_and_contract(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    assert isinstance(store, GlobalKVStore)
+    sizes = [0, 1, 4095, 256 * 890, 3 * MiB + 7]
+    for i, size in enumerate(sizes):
+        assert not store.contains(k(i))
+        assert store.get(k(i)) is None
+        data = payload_for(i, size)
+        payload: bytes | bytearray | memoryview = (data, bytearray(data), memoryview(data))[i % 3]
+        assert store.put(k(i), payload)
+        assert store.contains(k(i))
+        assert store.get(k(i)) == data
+        store.check_integrity()
+    assert store.put(k(0), b"replacement")
+    assert store.get(k(0)) == b"replacement"
+    assert store.delete(k(0)) and not store.delete(k(0))
+    assert store.get(k(0)) is None and not entry_path(tmp_path, k(0)).exists()
+    stats = store.stats()
+    assert stats["hits"] == len(sizes) + 1
+    assert stats["misses"] == len(sizes) + 1
+    assert stats["bytes_written"] == sum(sizes) + len(b"replacement")
+    assert stats["entries"] == len(sizes) - 1
+    assert stats["bytes_resident"] == sum(s + HDR for s in sizes[1:])
+    assert not files_under(tmp_path, ".tmp")
+    store.check_integrity()
+    with pytest.raises(ValueError, match="32-byte"):
+        store.get(b"not a digest")
+
+
+def test_paired_tenants(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    tokens = list(range(5000, 5064))
+    ns_a, ns_b = make_namespace("org_a"), make_namespace("org_b")
+    for i, key in enumerate(chunk_keys(ns_a, tokens)):
+        assert store.put(key, payload_for(i), EntryMeta.for_namespace(ns_a))
+    # Same salt → a real hit on every chunk.
+    hits = [store.get(key) for key in chunk_keys(make_namespace("org_a"), tokens)]
+    assert hits == [payload_for(i) for i in range(4)]
+    assert store.stats()["hits"] == 4
+    # Different salt, same tokens → miss everywhere.
+    keys_b = chunk_keys(ns_b, tokens)
+    assert not any(store.contains(key) for key in keys_b)
+    assert all(store.get(key) is None for key in keys_b)
+    assert store.stats()["hits"] == 4 and store.stats()["misses"] == 4
+
+
+def test_header_records_meta(tmp_path: Path) -> None:
+    ns = make_namespace("hdr", kv_layout_version=7)
+    store = DirectoryStore(tmp_path, MiB)
+    key = chunk_keys(ns, list(range(16)))[0]
+    assert store.put(key, b"abc", EntryMeta.for_namespace(ns))
+    raw = entry_path(tmp_path, key).read_bytes()
+    header = store_mod.EntryHeader.unpack(raw)
+    assert isinstance(header, store_mod.EntryHeader)
+    assert (header.kv_layout_version, header.namespace_digest, header.key) == (7, ns.seed(), key)
+    assert header.payload_sha256 == hashlib.sha256(b"abc").digest() and raw[HDR:] == b"abc"
+
+
+def test_restart_sees_entries_and_recency(tmp_path: Path, clock: FakeClock) -> None:
+    store = DirectoryStore(tmp_path, 3 * (HDR + 1000), clock=clock)
+    for i in range(3):
+        assert store.put(k(i), payload_for(i))
+        clock.advance(1)
+    assert store.get(k(0)) == payload_for(0)  # k(0) becomes the most recent
+    clock.advance(1)
+    reopened = DirectoryStore(tmp_path, 3 * (HDR + 1000), clock=clock)
+    assert len(reopened) == 3 and reopened.indexed_keys() == [k(1), k(2), k(0)]
+    for i in range(3):
+        clock.advance(1)
+        assert reopened.get(k(i)) == payload_for(i)
+    reopened.check_integrity()
+    third = DirectoryStore(tmp_path, 3 * (HDR + 1000), clock=clock)
+    assert third.indexed_keys() == [k(0), k(1), k(2)]  # reads above refreshed the order, persisted in mtimes
+    assert third.put(k(9), payload_for(9))
+    assert not third.contains(k(0)) and third.stats()["evictions"] == 1
+    third.check_integrity()
+
+
+# ---------------------------------------------------------------- corruption
+def _flip_payload(raw: bytearray) -> None:
+    raw[HDR + 17] ^= 0x01
+
+
+def _flip_header(raw: bytearray) -> None:
+    raw[40] ^= 0x80  # inside the namespace digest: only the header CRC notices
+
+
+def _truncate(raw: bytearray) -> None:
+    del raw[-100:]
+
+
+def _truncate_into_header(raw: bytearray) -> None:
+    del raw[HDR // 2 :]
+
+
+def _zero_fill(raw: bytearray) -> None:
+    raw[:] = bytes(len(raw))
+
+
+def _zero_fill_payload_tail(raw: bytearray) -> None:
+    raw[-512:] = bytes(512)
+
+
+def _wrong_version(raw: bytearray) -> None:
+    raw[8:10] = struct.pack("<H", 2)
+    raw[HDR - 4 : HDR] = struct.pack("<I", zlib.crc32(bytes(raw[: HDR - 4])))
+
+
+def _appended(raw: bytearray) -> None:
+    raw += b"junk"
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[bytearray], None], str]] = {
+    "bit_flip_payload": (_flip_payload, "bad_digest"),
+    "bit_flip_header": (_flip_header, "bad_header_crc"),
+    "truncated": (_truncate, "truncated"),
+    "truncated_header": (_truncate_into_header, "truncated"),
+    "zero_filled": (_zero_fill, "bad_magic"),
+    "zero_filled_tail": (_zero_fill_payload_tail, "bad_digest"),
+    "wrong_version": (_wrong_version, "wrong_version"),
+    "appended": (_appended, "size_mismatch"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_corruption_is_a_miss_and_quarantined(tmp_path: Path, name: str) -> None:
+    damage, reason = CORRUPTIONS[name]
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    assert store.put(k(1), payload_for(1, 4096))
+    assert store.put(k(2), payload_for(2, 4096))
+    path = entry_path(tmp_path, k(1))
+    raw = bytearray(path.read_bytes())
+    damage(raw)
+    path.write_bytes(bytes(raw))
+    if name == "truncated_header":  # too short to be an entry: caught by the start-up scan already
+        store = DirectoryStore(tmp_path, 64 * MiB)
+    assert store.get(k(1)) is None
+    assert store.get(k(1)) is None  # and never served later
+    assert not path.exists()
+    quarantined = list((tmp_path / "quarantine").iterdir())
+    assert len(quarantined) == 1 and f".{reason}." in quarantined[0].name
+    assert store.stats()["quarantined"] == 1
+    assert store.stats()["quarantine_reasons"] == {reason: 1}
+    assert store.get(k(2)) == payload_for(2, 4096)  # the neighbour is unaffected
+    store.check_integrity()
+    reopened = DirectoryStore(tmp_path, 64 * MiB)
+    assert reopened.get(k(1)) is None and reopened.get(k(2)) == payload_for(2, 4096)
+
+
+def test_file_under_the_wrong_name_is_quarantined(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, MiB)
+    assert store.put(k(1), b"one")
+    target = entry_path(tmp_path, k(2))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(entry_path(tmp_path, k(1)).read_bytes())  # a valid file for k(1) posing as k(2)
+    reopened = DirectoryStore(tmp_path, MiB)
+    assert reopened.get(k(2)) is None
+    assert reopened.stats()["quarantine_reasons"] == {"wrong_key": 1}
+    assert reopened.get(k(1)) == b"one"
+
+
+def test_verify_reports_and_quarantines(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, MiB)
+    for i in range(4):
+        assert store.put(k(i), payload_for(i))
+    path = entry_path(tmp_path, k(3))
+    raw = bytearray(path.read_bytes())
+    _flip_payload(raw)
+    path.write_bytes(bytes(raw))
+    report = DirectoryStore(tmp_path, MiB, read_only=True).verify()
+    assert (report.checked, report.ok, report.quarantined) == (4, 3, 0)
+    assert report.bad == [(path.name, "bad_digest")] and path.exists()
+    report = store.verify(quarantine=True)
+    assert report.quarantined == 1 and not path.exists() and not store.contains(k(3))
+    assert store.verify().bad == []
+    store.check_integrity()
+
+
+# ---------------------------------------------------------------- write and read faults
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def inject(
+    monkeypatch: pytest.MonkeyPatch,
+    root: Path,
+    func: str,
+    err: int,
+    when: Callable[[str], bool] = lambda path: True,
+    module: object = os,
+) -> list[str]:
+    """Make ``module.func`` raise ``OSError(err)`` for targets under ``root``; returns the hit paths."""
+    real = getattr(module, func)
+    prefix = os.path.realpath(root)
+    hits: list[str] = []
+
+    def fake(*args: object, **kwargs: object) -> object:
+        target = args[0]
+        path = _fd_path(target) if isinstance(target, int) else os.path.realpath(os.fspath(target))  # type: ignore[arg-type]
+        if path.startswith(prefix) and when(path):
+            hits.append(path)
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, func, fake)
+    return hits
+
+
+FAULTS = {
+    "write_ENOSPC": ("write", errno.ENOSPC, lambda p: True, "write:ENOSPC"),
+    "write_EIO": ("write", errno.EIO, lambda p: True, "write:EIO"),
+    "fsync_EIO": ("fsync", errno.EIO, lambda p: not os.path.isdir(p), "fsync:EIO"),
+    "rename_EIO": ("rename", errno.EIO, lambda p: True, "rename:EIO"),
+    "fsync_dir_EIO": ("fsync", errno.EIO, os.path.isdir, "fsync_dir:EIO"),
+    "open_ENOSPC": ("open", errno.ENOSPC, lambda p: p.endswith(".tmp"), "write:ENOSPC"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_write_faults_publish_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    func, err, when, label = FAULTS[fault]
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    assert store.put(k(0), payload_for(0))  # warms the fan-out dirs of k(0) only
+    with monkeypatch.context() as m:
+        hits = inject(m, tmp_path, func, err, when)
+        assert store.put(k(1), payload_for(1, 100_000)) is False  # no exception
+        assert store.put(k(0), payload_for(0, 7)) is False  # a failed replace drops nothing silently
+        assert hits
+    assert store.get(k(1)) is None and not store.contains(k(1))
+    assert not entry_path(tmp_path, k(1)).exists()
+    assert not files_under(tmp_path, ".tmp")
+    errors = store.stats()["errors"]
+    assert isinstance(errors, dict) and label in errors and sum(errors.values()) == 2
+    assert all(kind.endswith(":" + errno.errorcode[err]) for kind in errors)  # e.g. mkdir:EIO for a new dir
+    assert store.stats()["puts_failed"] == 2
+    # The old k(0) is served unless the failure hit after its rename (then it is gone, never torn).
+    assert store.get(k(0)) in (payload_for(0), None)
+    store.check_integrity()
+    reopened = DirectoryStore(tmp_path, 64 * MiB)
+    assert reopened.get(k(1)) is None
+    assert store.put(k(1), payload_for(1)) and store.get(k(1)) == payload_for(1)  # recovers
+
+
+def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    real_write = os.write
+    calls = {"n": 0}
+
+    def half_then_full(fd: int, data: bytes) -> int:
+        if _fd_path(fd).endswith(".tmp"):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(fd, memoryview(data)[: len(data) // 2])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    assert store.put(k(5), payload_for(5, 50_000)) is False
+    monkeypatch.undo()
+    assert store.get(k(5)) is None and not files_under(tmp_path, ".tmp")
+    assert store.stats()["errors"] == {"write:ENOSPC": 1}
+
+
+def test_raise_on_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path, MiB)
+    inject(monkeypatch, tmp_path, "fsync", errno.EIO)
+    with pytest.raises(OSError) as info:
+        store.put(k(1), b"x", raise_on_error=True)
+    assert info.value.errno == errno.EIO
+    assert not store.contains(k(1))
+
+
+def test_read_error_is_a_miss_not_a_quarantine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path, MiB)
+    assert store.put(k(1), b"data")
+    with monkeypatch.context() as m:
+        m.setattr(store_mod, "open", open, raising=False)
+        inject(m, tmp_path, "open", errno.EIO, module=store_mod)
+        assert store.get(k(1)) is None
+    assert store.stats()["errors"] == {"read:EIO": 1} and store.stats()["quarantined"] == 0
+    assert store.get(k(1)) == b"data"
+
+
+def test_read_only_store_writes_nothing(tmp_path: Path) -> None:
+    DirectoryStore(tmp_path, MiB).put(k(1), b"data")
+    ro = DirectoryStore(tmp_path, MiB, read_only=True)
+    assert ro.get(k(1)) == b"data"
+    assert ro.put(k(2), b"x") is False and not ro.delete(k(1))
+    assert ro.stats()["errors"] == {"read_only": 1}
+    with pytest.raises(FileNotFoundError):
+        DirectoryStore(tmp_path / "nope", MiB, read_only=True)
+
+
+# ---------------------------------------------------------------- start-up scan
+def test_startup_sweeps_orphans_and_quarantines_stubs(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, MiB)
+    assert store.put(k(1), b"one")
+    d = entry_path(tmp_path, k(1)).parent
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    (d / f".{key_hex(k(2))}.{dead_pid}.abcdef.tmp").write_bytes(b"partial")
+    (d / f".{key_hex(k(3))}.garbage.tmp").write_bytes(b"partial")
+    live = d / f".{key_hex(k(4))}.{os.getpid()}.abcdef.tmp"
+    live.write_bytes(b"in flight in this process")
+    stub = entry_path(tmp_path, k(5))
+    stub.parent.mkdir(parents=True, exist_ok=True)
+    stub.write_bytes(b"short")
+    (d / "README").write_text("not an entry")
+    reopened = DirectoryStore(tmp_path, MiB)
+    assert reopened.orphans_swept == 2 and live.exists()
+    assert reopened.unknown_files == 1
+    assert reopened.stats()["quarantine_reasons"] == {"truncated": 1} and not stub.exists()
+    assert reopened.indexed_keys() == [k(1)]
+    assert DirectoryStore(tmp_path, MiB, orphan_grace_s=0).orphans_swept == 1 and not live.exists()
+
+
+# ---------------------------------------------------------------- capacity and retention
+def test_capacity_evicts_oldest_access_first(tmp_path: Path, clock: FakeClock) -> None:
+    entry = HDR + 1000
+    store = DirectoryStore(tmp_path, 3 * entry, clock=clock)
+    for i in range(3):
+        assert store.put(k(i), payload_for(i))
+        clock.advance(1)
+    assert store.get(k(0)) == payload_for(0)
+    clock.advance(1)
+    assert store.put(k(3), payload_for(3))  # evicts k(1), the least recently accessed
+    assert [store.contains(k(i)) for i in range(4)] == [True, False, True, True]
+    assert not entry_path(tmp_path, k(1)).exists()
+    assert store.put(k(4), payload_for(4, 2000))  # needs two slots: k(2), k(0) go
+    assert [store.contains(k(i)) for i in range(5)] == [False, False, False, True, True]
+    stats = store.stats()
+    assert stats["evictions"] == 3 and stats["bytes_resident"] == 2 * entry + 1000 <= 3 * entry
+    assert store.put(k(9), payload_for(9, 3 * entry)) is False  # larger than the whole store
+    assert store.stats()["errors"] == {"too_large": 1}
+    store.check_integrity()
+
+
+def test_retention_expiry_and_gc(tmp_path: Path, clock: FakeClock) -> None:
+    store = DirectoryStore(tmp_path, MiB, retention_s=72 * 3600, clock=clock)
+    assert store.put(k(1), b"old") and store.put(k(2), b"kept")
+    clock.advance(71 * 3600)
+    assert store.get(k(2)) == b"kept"  # a read refreshes the retention
+    clock.advance(2 * 3600)
+    assert not store.contains(k(1))
+    assert store.get(k(1)) is None
+    assert store.stats()["expirations"] == 1 and not entry_path(tmp_path, k(1)).exists()
+    assert store.put(k(3), b"new")
+    clock.advance(72 * 3600 + 1)
+    report = store.gc()
+    assert report.expired == 2 and len(store) == 0 and not files_under(tmp_path, ".kv")
+    store.check_integrity()
+
+
+def test_gc_applies_lowered_capacity_after_restart(tmp_path: Path, clock: FakeClock) -> None:
+    store = DirectoryStore(tmp_path, MiB, clock=clock)
+    for i in range(5):
+        assert store.put(k(i), payload_for(i))
+        clock.advance(1)
+    small = DirectoryStore(tmp_path, 2 * (HDR + 1000), clock=clock)
+    small.check_integrity()  # over capacity at open is allowed until gc
+    report = small.gc()
+    assert report.evicted == 3 and small.indexed_keys() == [k(3), k(4)]
+    small.check_integrity()
+
+
+# ---------------------------------------------------------------- concurrency
+def test_concurrent_puts_gets_deletes(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, 12 * (HDR + 4096))
+    keys = [k(i) for i in range(24)]
+    expected = {key: payload_for(i, 4096) for i, key in enumerate(keys)}
+    wrong: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                key = rng.choice(keys)
+                op = rng.random()
+                if op < 0.45:
+                    store.put(key, expected[key])
+                elif op < 0.9:
+                    got = store.get(key)
+                    if got is not None and got != expected[key]:
+                        wrong.append(key)
+                else:
+                    store.delete(key)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong
+    store.check_integrity()
+    assert store.stats()["hits"] > 0 and store.stats()["evictions"] > 0
+    assert not files_under(tmp_path, ".tmp")
+    on_disk = {p.name for p in files_under(tmp_path, ".kv")}
+    assert on_disk == {f"{key_hex(key)}.kv" for key in store.indexed_keys()}

@@ -1,0 +1,195 @@
+"""RedisSwaPool against a real redis-server: TTL, tenants, outage and restart, eviction, slowness, bad values."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from replaykv.cache.keys import prefix_key
+from replaykv.cache.swa_pool import SNAPSHOT_FRAME, RedisSwaPool, encode_snapshot_frame, make_swa_pool
+from tests.cache.conftest import FakeClock, RedisServer, make_namespace
+
+pytestmark = pytest.mark.redis
+
+
+def k(i: int) -> bytes:
+    return hashlib.sha256(b"redis-pool-%d" % i).digest()
+
+
+def snapshot(i: int, size: int = 4096) -> bytes:
+    seed = hashlib.sha256(b"snap-%d" % i).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+def make_pool(url: str, **kw: object) -> RedisSwaPool:
+    options: dict[str, object] = dict(ttl_s=300, retry_after_s=0.1)
+    options.update(kw)
+    pool = make_swa_pool("redis", url=url, **options)
+    assert isinstance(pool, RedisSwaPool)
+    return pool
+
+
+def test_round_trip_ttl_and_key_format(redis_server: RedisServer) -> None:
+    pool = make_pool(redis_server.url)
+    raw = redis_server.client()
+    assert pool.get(k(1)) is None
+    assert pool.put(k(1), snapshot(1, 2_703_360))  # one V4.1-Flash window snapshot
+    assert pool.get(k(1)) == snapshot(1, 2_703_360)
+    rkey = pool.redis_key(k(1))
+    assert rkey == "replaykv:swa:{" + k(1).hex() + "}"
+    assert 299 <= raw.ttl(rkey) <= 300  # SET ... EX really set the TTL
+    assert pool.put(k(2), b"x", ttl_s=1.5)
+    assert 1000 <= raw.pttl(pool.redis_key(k(2))) <= 1500
+    assert raw.strlen(rkey) == SNAPSHOT_FRAME.size + 2_703_360  # one value per snapshot
+    assert pool.put(k(1), b"replaced") and pool.get(k(1)) == b"replaced"
+    assert 299 <= raw.ttl(rkey) <= 300  # a replacement keeps a TTL
+    assert pool.contains(k(1)) and pool.delete(k(1)) and not pool.delete(k(1))
+    stats = pool.stats()
+    assert (stats["hits"], stats["misses"], stats["puts_ok"]) == (2, 1, 3)
+    assert stats["bytes_read"] == 2_703_360 + len(b"replaced")
+    assert isinstance(stats["used_memory"], int) and stats["circuit_open"] is False
+    pool.check_integrity()
+
+
+def test_redis_expires_entries(redis_server: RedisServer) -> None:
+    pool = make_pool(redis_server.url)
+    assert pool.put(k(1), b"short", ttl_s=0.2)
+    assert pool.get(k(1)) == b"short"
+    time.sleep(0.35)
+    assert pool.get(k(1)) is None
+
+
+def test_stale_value_is_never_served_even_if_redis_keeps_it(redis_server: RedisServer) -> None:
+    clock = FakeClock(1_000_000.0)
+    pool = make_pool(redis_server.url, clock=clock)
+    assert pool.put(k(1), b"snap", ttl_s=10)
+    clock.advance(5)
+    assert pool.get(k(1)) == b"snap"
+    age = pool.stats()["hit_age_s"]
+    assert isinstance(age, dict) and age["max"] == pytest.approx(5.0)
+    clock.advance(10)  # writer's put time says expired (e.g. a replica that missed the expiry)
+    assert pool.get(k(1)) is None and pool.stats()["expirations"] == 1
+
+
+def test_paired_tenants(redis_server: RedisServer) -> None:
+    pool = make_pool(redis_server.url)
+    tokens = list(range(7000, 7077))
+    assert pool.put(prefix_key(make_namespace("org_a"), tokens), b"window-a")
+    assert pool.get(prefix_key(make_namespace("org_a"), tokens)) == b"window-a"
+    assert pool.stats()["hits"] == 1
+    assert pool.get(prefix_key(make_namespace("org_b"), tokens)) is None
+    assert pool.stats()["hits"] == 1 and pool.stats()["misses"] == 1
+
+
+def test_outage_and_restart_on_the_same_port(redis_server: RedisServer) -> None:
+    pool = make_pool(redis_server.url, retry_after_s=0.2)
+    assert pool.put(k(1), b"before")
+    redis_server.kill()
+    t0 = time.monotonic()
+    assert pool.get(k(1)) is None  # no exception
+    assert pool.put(k(2), b"during") is False
+    assert not pool.contains(k(1)) and not pool.delete(k(1))
+    pool.flush()
+    stats = pool.stats()
+    assert time.monotonic() - t0 < 1.0
+    errors = stats["errors"]
+    assert isinstance(errors, dict) and errors.get("connection", 0) >= 1
+    assert stats["circuit_open"] is True
+    for _ in range(20):  # while the circuit is open: immediate misses, counted
+        assert pool.get(k(1)) is None
+    assert pool.stats()["misses"] >= 21
+    redis_server.start()
+    deadline = time.monotonic() + 5
+    while not pool.put(k(3), b"after") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.get(k(3)) == b"after"  # recovered on its own
+    assert pool.get(k(1)) is None  # no persistence: the old snapshot is gone, a plain miss
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
+def test_small_maxmemory_only_complete_snapshots_or_misses(redis_server: RedisServer, policy: str) -> None:
+    raw = redis_server.client()
+    raw.config_set("maxmemory", str(4 * 1024 * 1024))
+    raw.config_set("maxmemory-policy", policy)
+    pool = make_pool(redis_server.url)
+    size = 300_000
+    stored = [pool.put(k(i), snapshot(i, size)) for i in range(40)]
+    results = [pool.get(k(i)) for i in range(40)]
+    for i, got in enumerate(results):
+        assert got is None or got == snapshot(i, size)
+    hits = sum(r is not None for r in results)
+    assert 0 < hits < 40
+    errors = pool.stats()["errors"]
+    assert isinstance(errors, dict)
+    if policy == "noeviction":
+        assert not all(stored) and errors.get("oom", 0) == stored.count(False)
+    else:
+        assert all(stored)
+    assert pool.stats()["quarantined"] == 0
+    pool.check_integrity()
+
+
+def test_slow_redis_is_a_bounded_time_miss(redis_server: RedisServer) -> None:
+    pool = make_pool(redis_server.url, socket_timeout_s=0.2, retry_after_s=0.3)
+    assert pool.put(k(1), b"snap")
+    redis_server.client().execute_command("CLIENT", "PAUSE", "1200", "ALL")
+    t0 = time.monotonic()
+    assert pool.get(k(1)) is None
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.8, elapsed
+    errors = pool.stats()["errors"]
+    assert isinstance(errors, dict) and errors.get("timeout", 0) == 1
+    t0 = time.monotonic()
+    assert pool.put(k(2), b"x") is False  # circuit open: fails at once
+    assert time.monotonic() - t0 < 0.05
+    time.sleep(1.3)  # the pause is over
+    assert pool.get(k(1)) == b"snap"
+
+
+def test_torn_and_foreign_values_are_misses(redis_server: RedisServer) -> None:
+    pool = make_pool(redis_server.url)
+    raw = redis_server.client()
+    good = encode_snapshot_frame(k(1), b"payload" * 100, put_time=time.time(), ttl_s=300)
+    raw.set(pool.redis_key(k(1)), good[:-10], ex=300)  # torn
+    raw.set(pool.redis_key(k(2)), good, ex=300)  # copied under another key
+    raw.set(pool.redis_key(k(3)), b"someone else's value", ex=300)  # foreign
+    for i in (1, 2, 3):
+        assert pool.get(k(i)) is None
+        assert raw.exists(pool.redis_key(k(i))) == 0  # unlinked so it is not read again
+    assert pool.stats()["quarantined"] == 3
+    raw.set(pool.redis_key(k(1)), good, ex=300)
+    assert pool.get(k(1)) == b"payload" * 100
+
+
+def test_flush_touches_only_this_pool(redis_server: RedisServer) -> None:
+    raw = redis_server.client()
+    raw.set("other:key", b"keep")
+    pool_a = make_pool(redis_server.url, key_prefix="a*[x]:")
+    pool_b = make_pool(redis_server.url, key_prefix="b:")
+    for i in range(2500):
+        pool_a.put(k(i), b"a")
+    assert pool_b.put(k(0), b"b")
+    pool_a.flush()
+    assert raw.dbsize() == 2 and raw.get("other:key") == b"keep" and pool_b.get(k(0)) == b"b"
+
+
+def test_argument_validation(redis_server: RedisServer) -> None:
+    with pytest.raises(ValueError, match="hash tag"):
+        make_pool(redis_server.url, key_prefix="x{y}")
+    with pytest.raises(ValueError, match="socket_timeout_s"):
+        make_pool(redis_server.url, socket_timeout_s=0)
+    pool = make_pool(redis_server.url, max_value_bytes=1000)
+    assert pool.put(k(1), b"x" * 1000) is False and pool.stats()["errors"] == {"too_large": 1}
+
+
+def test_unreachable_redis_never_raises() -> None:
+    from tests.cache.conftest import free_port
+
+    pool = RedisSwaPool(host="127.0.0.1", port=free_port(), retry_after_s=0.1)
+    t0 = time.monotonic()
+    assert pool.get(k(1)) is None and pool.put(k(1), b"x") is False and not pool.ping()
+    assert time.monotonic() - t0 < 1.5
+    assert pool.stats()["circuit_open"] is True
