@@ -24,27 +24,12 @@ from replaykv.model.compressor import (
     write_ring,
 )
 from replaykv.model.config import DeepseekV4Config
-from replaykv.model.layers import RMSNorm, unweighted_rms_norm
-from replaykv.model.rope import apply_rope, cos_sin
+from replaykv.model.layers import RMSNorm, cast, unweighted_rms_norm
+from replaykv.model.rope import apply_rope
+from replaykv.model.step import Step
 
 # Upper bound on the elements of one block's logits / gathered keys (keeps peak memory flat).
 _BLOCK_BUDGET = 1 << 22
-
-
-class RopeTables:
-    """RoPE for one call: inverse frequencies per flavour ('main', 'compress') and the cos/sin
-    of the call's rows ([B, S, rope_dim // 2] each)."""
-
-    def __init__(self, freqs: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
-        self.freqs = freqs
-        self.rows = {kind: cos_sin(f, positions) for kind, f in freqs.items()}
-
-    def __getitem__(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows[kind]
-
-    def at(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin at arbitrary positions [...] -> [..., rope_dim // 2]."""
-        return cos_sin(self.freqs[kind], positions)
 
 
 class IndexScorer(nn.Module):
@@ -57,8 +42,9 @@ class IndexScorer(nn.Module):
 
 class Indexer(nn.Module):
     """DeepSeek-V4 lightning indexer: its own overlapping compressor at index_head_dim, ReLU-scored
-    multi-head keys, top-k per query. Parameters: kv_proj, gate_proj, position_bias, kv_norm,
-    q_b_proj, scorer.weights_proj (transformers names)."""
+    multi-head keys, top-k per query (ties to the lower entry). Parameters (transformers names):
+    kv_proj, gate_proj, position_bias, kv_norm (kept here under `key_compressor`), q_b_proj,
+    scorer.weights_proj."""
 
     def __init__(self, config: DeepseekV4Config, ratio: int) -> None:
         super().__init__()
@@ -73,47 +59,46 @@ class Indexer(nn.Module):
         self.scorer = IndexScorer(config.hidden_size, self.n_heads)
 
     def select(
-        self,
-        x: torch.Tensor,
-        q_res: torch.Tensor,
-        keys: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, step: Step, rope_kind: str
     ) -> torch.Tensor:
         """Top-k compressed entries per query, -1 where fewer are visible.
 
-        x [B, S, hidden], q_res [B, S, q_lora], keys [B, N, Di] (rotated), positions [B, S]
-        -> [B, S, min(topk, N)] long.
+        x [B, S, hidden], q_res [B, S, q_lora], keys [B, N, Di] (rotated) -> [B, S, min(topk, N)].
         """
         b, s, _ = x.shape
-        n = keys.shape[1]
-        k = min(self.topk, n)
+        k = min(self.topk, keys.shape[1])
         q = self.q_b_proj(q_res).view(b, s, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).float()
-        w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, Hi]
-        w = w * self.head_dim**-0.5  # fold the score scale into the head weights
-        limit = causal_entry_limit(positions, self.ratio)  # [B, S]
+        q = apply_rope(q, *step.rope.heads(rope_kind)).float()
+        # Head weights with the score scale folded in: sum_h w_h * relu(q_h . k) / sqrt(Di).
+        w = self.scorer.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        limit = causal_entry_limit(step.positions, self.ratio)  # [B, S]
         keys_f = keys.float()
         out = torch.full((b, s, k), -1, dtype=torch.long, device=x.device)
+        per_row = b * self.n_heads
         i0 = 0
         while i0 < s:
-            # Block size from the visible prefix of the entries at this block's first query.
-            n_first = max(1, int(limit[:, i0].max().item()))
-            step = max(1, min(s - i0, _BLOCK_BUDGET // max(1, b * self.n_heads * n_first)))
-            i1 = min(s, i0 + step)
-            n_vis = int(limit[:, i0:i1].max().item())
+            # Size the block by the visible prefix at its last query (limits grow with position).
+            step_q = max(
+                1, min(s - i0, _BLOCK_BUDGET // max(1, per_row * step.visible_entries(self.ratio, i0)))
+            )
+            while (
+                step_q > 1
+                and step_q * per_row * step.visible_entries(self.ratio, i0 + step_q - 1) > _BLOCK_BUDGET
+            ):
+                step_q //= 2
+            i1 = i0 + step_q
+            n_vis = step.visible_entries(self.ratio, i1 - 1)
             if n_vis > 0:
-                qb = q[:, i0:i1]
                 nq = i1 - i0
-                dots = torch.matmul(qb.reshape(b, nq * self.n_heads, -1), keys_f[:, :n_vis].transpose(1, 2))
+                dots = torch.matmul(
+                    q[:, i0:i1].reshape(b, nq * self.n_heads, -1), keys_f[:, :n_vis].transpose(1, 2)
+                )
                 dots = F.relu_(dots).view(b, nq, self.n_heads, n_vis)
                 scores = torch.matmul(w[:, i0:i1, None, :], dots).squeeze(-2)  # [B, Q, N]
                 lim = limit[:, i0:i1, None]
-                entry = torch.arange(n_vis, device=x.device)
-                scores = scores.masked_fill_(entry >= lim, float("-inf"))
+                scores = scores.masked_fill_(torch.arange(n_vis, device=x.device) >= lim, float("-inf"))
                 idx = topk_lowest_index(scores, min(k, n_vis))
-                out[:, i0:i1, : idx.shape[-1]] = torch.where(idx >= lim, torch.full_like(idx, -1), idx)
+                out[:, i0:i1, : idx.shape[-1]] = idx.masked_fill_(idx >= lim, -1)
             i0 = i1
         return out
 
@@ -121,20 +106,18 @@ class Indexer(nn.Module):
 def joint_attention(
     q: torch.Tensor,
     win_keys: torch.Tensor,
-    win_pos: torch.Tensor,
-    floors: torch.Tensor,
+    step: Step,
     window: int,
     sinks: torch.Tensor,
-    entries: torch.Tensor | None,
-    entry_limit: torch.Tensor | None,
-    selection: torch.Tensor | None,
+    entries: torch.Tensor | None = None,
+    ratio: int = 0,
+    selection: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One softmax over window keys, visible compressed entries and the sink.
 
     q: [B, S, H, D] rotated queries; query i (position p + i) reads window rows j in [i, i + W - 1].
-    win_keys: [B, W-1+S, D] window keys; row j sits at position win_pos[b, j].
-    floors: [B] first readable window position. sinks: [H] float32.
-    entries: [B, N, D] compressed entries (or None); entry_limit: [B, S] visible count per query;
+    win_keys: [B, W-1+S, D] window keys; row j sits at position p - W + 1 + j.
+    sinks: [H] float32. entries: [B, N, D] compressed entries (or None) of a layer with `ratio`;
     selection: [B, S, k] selected entry ids (-1 = none) for sparse layers, None for dense layers.
     Returns [B, S, H, D]. Queries go in blocks of about one window, so each block reads at most
     2W - 1 window rows and the visible prefix of the entries.
@@ -143,56 +126,113 @@ def joint_attention(
     w = window
     scale = d**-0.5
     out = torch.empty_like(q)
-    key_ok = win_pos >= floors[:, None].clamp(min=0)  # [B, W-1+S]
+    win_pos = step.start[:, None] + torch.arange(1 - w, s, device=q.device)
+    key_ok = win_pos >= step.floors[:, None].clamp(min=0)  # [B, W-1+S]
+    all_ok = step.window_unclipped(w)
+    limit = None if entries is None else causal_entry_limit(step.positions, ratio)
     n_sel = 0 if selection is None else selection.shape[-1]
-    step = min(s, max(w, 64))
+    q_step = min(s, max(w, 64))
     if selection is not None:
-        step = max(1, min(step, _BLOCK_BUDGET // max(1, b * n_sel * d)))
+        q_step = max(1, min(q_step, _BLOCK_BUDGET // max(1, b * n_sel * d)))
     sink = sinks.float().view(1, 1, h)
-    band_cache: dict[int, torch.Tensor] = {}
-    for i0 in range(0, s, step):
-        i1 = min(s, i0 + step)
+    band: dict[int, torch.Tensor] = {}
+    for i0 in range(0, s, q_step):
+        i1 = min(s, i0 + q_step)
         nq = i1 - i0
         kw = win_keys[:, i0 : i1 + w - 1]  # [B, L, D]
         length = kw.shape[1]
-        if nq not in band_cache:
-            qi = torch.arange(nq, device=q.device)[:, None]
-            kj = torch.arange(length, device=q.device)[None, :]
-            band_cache[nq] = (kj >= qi) & (kj <= qi + w - 1)  # [Q, L]
-        mask_w = band_cache[nq][None] & key_ok[:, None, i0 : i0 + length]  # [B, Q, L]
         qb = q[:, i0:i1]  # [B, Q, H, D]
         lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).view(b, nq, h, length).float()
-        lw = lw.mul_(scale).masked_fill_(~mask_w[:, :, None], float("-inf"))
+        lw = lw.mul_(scale)
+        if nq > 1 or not all_ok:
+            if nq not in band:
+                qi = torch.arange(nq, device=q.device)[:, None]
+                kj = torch.arange(length, device=q.device)[None, :]
+                band[nq] = (kj < qi) | (kj > qi + w - 1)  # [Q, L] outside the window
+            hidden = band[nq][None] | ~key_ok[:, None, i0 : i0 + length]  # [B, Q, L]
+            lw = lw.masked_fill_(hidden[:, :, None], float("-inf"))
         mx = torch.maximum(lw.amax(dim=-1), sink)  # [B, Q, H]
         lc = kc = None
-        if entries is not None and entry_limit is not None:
-            lim = entry_limit[:, i0:i1]
+        if entries is not None and limit is not None:
             if selection is None:
-                n = int(lim.max().item())
+                n = step.visible_entries(ratio, i1 - 1)
                 kc = entries[:, :n]
-                vis = torch.arange(n, device=q.device)[None, None, :] < lim[..., None]  # [B, Q, N]
                 lc = torch.matmul(qb.reshape(b, nq * h, d), kc.transpose(1, 2)).view(b, nq, h, n).float()
+                lc = lc.mul_(scale)
+                if n and (nq > 1 or b > 1):
+                    vis = torch.arange(n, device=q.device) < limit[:, i0:i1, None]  # [B, Q, N]
+                    lc = lc.masked_fill_(~vis[:, :, None], float("-inf"))
             else:
                 sel = selection[:, i0:i1]
-                vis = sel >= 0
                 kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d))
                 kc = kc.view(b * nq, -1, d)
                 lc = torch.bmm(qb.reshape(b * nq, h, d), kc.transpose(1, 2)).view(b, nq, h, -1).float()
-            lc = lc.mul_(scale).masked_fill_(~vis[:, :, None], float("-inf"))
+                lc = lc.mul_(scale).masked_fill_((sel < 0)[:, :, None], float("-inf"))
             if lc.shape[-1]:
                 mx = torch.maximum(mx, lc.amax(dim=-1))
         pw = torch.exp(lw - mx[..., None])
         den = pw.sum(dim=-1) + torch.exp(sink - mx)
-        o = torch.matmul(pw.to(q.dtype).view(b, nq * h, length), kw).view(b, nq, h, d)
+        o = torch.matmul(cast(pw, q.dtype).view(b, nq * h, length), kw).view(b, nq, h, d)
         if lc is not None and kc is not None and lc.shape[-1]:
             pc = torch.exp(lc - mx[..., None])
             den = den + pc.sum(dim=-1)
             if selection is None:
-                o = o + torch.matmul(pc.to(q.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
+                o = o + torch.matmul(cast(pc, q.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
             else:
-                o = o + torch.bmm(pc.to(q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
-        out[:, i0:i1] = (o / den[..., None].to(q.dtype)).to(q.dtype)
+                o = o + torch.bmm(cast(pc, q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
+        out[:, i0:i1] = o / cast(den[..., None], q.dtype)
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_ok: torch.Tensor | None,
+    sinks: torch.Tensor,
+    entries: torch.Tensor | None = None,
+    entry_count: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per row: joint softmax over the window ring, compressed entries and the sink.
+
+    q: [B, 1, H, D]; keys: [B, W, D] the whole window ring (order does not matter); key_ok:
+    [B, W] readable slots, or None when all are. entries: [B, N, D]; entry_count: [B] visible
+    entries per row for dense layers (None = all N); selection: [B, 1, k] for sparse layers.
+    """
+    _b, _, h, d = q.shape
+    scale = d**-0.5
+    qf = q[:, 0]  # [B, H, D]
+    lw = torch.bmm(qf, keys.transpose(1, 2)).float().mul_(scale)  # [B, H, W]
+    if key_ok is not None:
+        lw = lw.masked_fill_(~key_ok[:, None], float("-inf"))
+    sink = sinks.float().view(1, h)
+    mx = torch.maximum(lw.amax(dim=-1), sink)
+    lc = kc = None
+    if entries is not None and entries.shape[1]:
+        if selection is None:
+            kc = entries
+            lc = torch.bmm(qf, kc.transpose(1, 2)).float().mul_(scale)
+            if entry_count is not None:
+                hidden = torch.arange(kc.shape[1], device=q.device) >= entry_count[:, None]
+                lc = lc.masked_fill_(hidden[:, None], float("-inf"))
+        else:
+            sel = selection[:, 0]  # [B, k]
+            kc = entries.gather(1, sel.clamp(min=0)[..., None].expand(-1, -1, d))
+            lc = (
+                torch.bmm(qf, kc.transpose(1, 2))
+                .float()
+                .mul_(scale)
+                .masked_fill_((sel < 0)[:, None], float("-inf"))
+            )
+        mx = torch.maximum(mx, lc.amax(dim=-1))
+    pw = torch.exp(lw - mx[..., None])
+    den = pw.sum(dim=-1) + torch.exp(sink - mx)
+    o = torch.bmm(cast(pw, q.dtype), keys)
+    if lc is not None and kc is not None:
+        pc = torch.exp(lc - mx[..., None])
+        den = den + pc.sum(dim=-1)
+        o = o + torch.bmm(cast(pc, q.dtype), kc)
+    return (o / cast(den[..., None], q.dtype))[:, None]
 
 
 class Attention(nn.Module):
@@ -220,60 +260,75 @@ class Attention(nn.Module):
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.ratio:
-            self.compressor = Compressor(
-                hidden, d, self.ratio, overlap=config.has_indexer(layer), eps=config.rms_norm_eps
-            )
-            if config.has_indexer(layer):
+            overlap = config.has_indexer(layer)
+            self.compressor = Compressor(hidden, d, self.ratio, overlap=overlap, eps=config.rms_norm_eps)
+            if overlap:
                 self.indexer = Indexer(config, self.ratio)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RopeTables,
-        cache: LayerCacheView,
-        floors: torch.Tensor,
-    ) -> torch.Tensor:
-        """x [B, S, hidden] (normed), positions [B, S] absolute -> [B, S, hidden]."""
+    def compress(
+        self, compressor: Compressor, x: torch.Tensor, step: Step, cache: LayerCacheView, index: bool
+    ) -> None:
+        """Pool the groups that complete in this call, rotate them at their first position, store."""
+        carry = cache.index_carry if index else cache.carry
+        store = cache.index_keys if index else cache.entries
+        assert store is not None
+        latents, first, count = compressor.pool(x, step, carry)
+        if latents.shape[1]:
+            groups = torch.tensor(first, device=x.device)[:, None] + torch.arange(
+                latents.shape[1], device=x.device
+            )
+            cos, sin = step.rope.at("compress", groups * self.ratio)
+            scatter_entries(store, apply_rope(latents, cos, sin), first, count)
+
+    def forward(self, x: torch.Tensor, step: Step, cache: LayerCacheView) -> torch.Tensor:
+        """x [B, S, hidden] (normed) -> [B, S, hidden]."""
         b, s, _ = x.shape
         h, d, w = self.n_heads, self.head_dim, self.window
-        cos, sin = rope[self.rope_kind]
-        start = positions[:, 0]
+        cos, sin = step.rope[self.rope_kind]
+        cos_h, sin_h = step.rope.heads(self.rope_kind)
 
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_res).view(b, s, h, d)
         q = unweighted_rms_norm(q, self.config.rms_norm_eps)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        q = apply_rope(q, cos_h, sin_h)
 
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, S, D]
-        win_keys = torch.cat([ordered_ring(cache.window, start, w - 1).to(kv.dtype), kv], dim=1)
-        win_pos = start[:, None] - (w - 1) + torch.arange(w - 1 + s, device=x.device)
-        write_ring(cache.window, kv, start)
+        if s == 1:
+            slots = step.start.remainder(w)
+            cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
+            win_keys = cast(cache.window, kv.dtype)
+        else:
+            win_keys = torch.cat([cast(ordered_ring(cache.window, step.start, w - 1), kv.dtype), kv], dim=1)
+            write_ring(cache.window, kv, step.start)
 
-        entries = limit = selection = None
+        entries = selection = None
         if self.compressor is not None:
             assert cache.entries is not None
-            latents, groups, valid = self.compressor.pool(x, positions, start, cache.carry)
-            if latents.shape[1]:
-                rotated = apply_rope(latents, *rope.at("compress", groups * self.ratio))
-                scatter_entries(cache.entries, rotated, groups, valid)
-            n = int(torch.div(start + s, self.ratio, rounding_mode="floor").max().item())
-            entries = cache.entries[:, :n].to(q.dtype)
-            limit = causal_entry_limit(positions, self.ratio)
+            self.compress(self.compressor, x, step, cache, index=False)
+            n = max((p + s) // self.ratio for p in step.start_host)
+            entries = cast(cache.entries[:, :n], q.dtype)
             if self.indexer is not None:
                 assert cache.index_keys is not None
-                ilat, igroups, ivalid = self.indexer.key_compressor.pool(
-                    x, positions, start, cache.index_carry
-                )
-                if ilat.shape[1]:
-                    ikeys = apply_rope(ilat, *rope.at("compress", igroups * self.ratio))
-                    scatter_entries(cache.index_keys, ikeys, igroups, ivalid)
-                selection = self.indexer.select(x, q_res, cache.index_keys[:, :n], positions, cos, sin)
+                self.compress(self.indexer.key_compressor, x, step, cache, index=True)
+                selection = self.indexer.select(x, q_res, cache.index_keys[:, :n], step, self.rope_kind)
 
-        o = joint_attention(q, win_keys, win_pos, floors, w, self.sinks, entries, limit, selection)
-        o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+        if s == 1:
+            key_ok = None
+            if not step.window_unclipped(w):
+                # position held by slot j: the latest position <= p congruent to j mod W
+                slot_pos = step.start[:, None] - (
+                    step.start[:, None] - torch.arange(w, device=x.device)
+                ).remainder(w)
+                key_ok = slot_pos >= step.floors[:, None].clamp(min=0)
+            count = None
+            if entries is not None and selection is None and b > 1:
+                count = causal_entry_limit(step.start, self.ratio)
+            o = decode_attention(q, win_keys, key_ok, self.sinks, entries, count, selection)
+        else:
+            o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)
+        o = apply_rope(o, cos_h, sin_h, inverse=True)
         g = self.o_groups
         grouped = o.reshape(b * s, g, -1)
         wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        z = torch.einsum("ngi,goi->ngo", grouped, wa).reshape(b, s, -1)
+        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1).reshape(b, s, -1)
         return self.o_b_proj(z)

@@ -16,41 +16,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from replaykv.model.cache_view import CompressorCarry
-from replaykv.model.layers import RMSNorm
+from replaykv.model.layers import RMSNorm, cast
+from replaykv.model.step import Step
 
 
-def ordered_ring(ring: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+def ordered_ring(ring: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
     """Rows of a ring (slot = pos % R) for positions [p - count, p), in order.
 
-    ring: [B, R, C]; positions: [B] (p per row) -> [B, count, C].
+    ring: [B, R, C]; start: [B] (p per row) -> [B, count, C]. Slots of negative positions hold
+    whatever the ring has there; callers never read them as valid.
     """
     if count == 0:
         return ring[:, :0]
-    r = ring.shape[1]
-    pos = positions[:, None] - count + torch.arange(count, device=ring.device)
-    slots = pos.remainder(r)
+    slots = (start[:, None] + torch.arange(-count, 0, device=ring.device)).remainder(ring.shape[1])
     return ring.gather(1, slots[..., None].expand(-1, -1, ring.shape[-1]))
 
 
-def write_ring(
-    ring: torch.Tensor, ext: torch.Tensor, ext_start: torch.Tensor, keep: torch.Tensor | None = None
-) -> None:
+def write_ring(ring: torch.Tensor, ext: torch.Tensor, ext_start: torch.Tensor) -> None:
     """Write the last min(R, L) rows of ext (row j is position ext_start + j) into the ring.
 
-    ring: [B, R, C]; ext: [B, L, C]; ext_start: [B]. Rows whose position is negative are skipped.
-    `keep` ([B] bool) limits the write to some rows of the batch.
+    ring: [B, R, C]; ext: [B, L, C]; ext_start: [B]. The rows written cover consecutive
+    positions, so their slots are distinct.
     """
     r, length = ring.shape[1], ext.shape[1]
     n = min(r, length)
     if n == 0:
         return
-    j = torch.arange(length - n, length, device=ring.device)
-    pos = ext_start[:, None] + j  # [B, n]
-    ok = pos >= 0
-    if keep is not None:
-        ok &= keep[:, None]
-    b_idx = torch.arange(ring.shape[0], device=ring.device)[:, None].expand_as(pos)
-    ring[b_idx[ok], pos.remainder(r)[ok]] = ext[:, length - n :][ok].to(ring.dtype)
+    slots = (ext_start[:, None] + torch.arange(length - n, length, device=ring.device)).remainder(r)
+    ring.scatter_(1, slots[..., None].expand(-1, -1, ring.shape[-1]), cast(ext[:, length - n :], ring.dtype))
 
 
 class Compressor(nn.Module):
@@ -94,52 +87,70 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, S, hidden], positions [B, S] -> float32 (kv, gate + position bias) [B, S, width]."""
-        kv = F.linear(x.float(), self.kv_proj.weight.float())
+        xf = cast(x, torch.float32)
+        kv = F.linear(xf, cast(self.kv_proj.weight, torch.float32))
         if self.gate_proj is None:
             return kv, None
-        gate = F.linear(x.float(), self.gate_proj.weight.float())
+        gate = F.linear(xf, cast(self.gate_proj.weight, torch.float32))
         if self.position_bias is not None:
-            gate = gate + self.position_bias.float()[positions.remainder(self.ratio)]
+            gate = gate + self.position_bias[positions.remainder(self.ratio)]
         return kv, gate
 
     def pool(
-        self, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, carry: CompressorCarry | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, step: Step, carry: CompressorCarry | None
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
         """Entries of the groups that complete in this call, before RoPE.
 
-        x: [B, S, hidden]; positions: [B, S] absolute; start: [B] (= positions[:, 0]).
-        Returns (latents [B, G, out_dim] float32 after kv_norm, group index [B, G], valid [B, G]);
-        G is the largest number of groups completed by any row. Updates the carry in place.
+        x: [B, S, hidden]. Returns (latents [B, G, out_dim] float32 after kv_norm, first group
+        per row, groups completed per row); G is the most groups any row completes. Row b's
+        latents [0, count[b]) are groups first[b] + [0, count[b]). Updates the carry in place.
         """
-        b, s, _ = x.shape
+        b = x.shape[0]
         r = self.ratio
-        kv, gate = self.project(x, positions)
+        kv, gate = self.project(x, step.positions)
         ring = self.ring if r > 1 or self.overlap else 0
+        if carry is not None and ring > 0 and step.seq == 1:
+            return self._pool_one(kv, gate, step, carry)
         if carry is not None and ring > 0:
-            ext_kv = torch.cat([ordered_ring(carry.kv, start, ring), kv], dim=1)
-            ext_gate = (
-                torch.cat([ordered_ring(carry.gate, start, ring), gate], dim=1) if gate is not None else None
-            )
-            ext_start = start - ring
+            ext_start = step.start - ring
+            ext_kv = torch.cat([ordered_ring(carry.kv, step.start, ring), kv], dim=1)
+            ext_gate = None
+            if gate is not None:
+                ext_gate = torch.cat([ordered_ring(carry.gate, step.start, ring), gate], dim=1)
         else:
-            ext_kv, ext_gate, ext_start = kv, gate, start
-        first = torch.div(start, r, rounding_mode="floor")
-        n_groups = torch.div(start + s, r, rounding_mode="floor") - first
-        g_max = int(n_groups.max().item()) if b else 0
+            ext_kv, ext_gate, ext_start = kv, gate, step.start
+        first, count = step.groups(r)
+        g_max = max(count) if count else 0
         if g_max > 0:
-            k = torch.arange(g_max, device=x.device)
-            groups = first[:, None] + k  # [B, G]
-            valid = k[None, :] < n_groups[:, None]
-            latents = self._pool_groups(ext_kv, ext_gate, ext_start, groups)
+            groups = torch.tensor(first, device=x.device)[:, None] + torch.arange(g_max, device=x.device)
+            latents = self.kv_norm(self._pool_groups(ext_kv, ext_gate, ext_start, groups, first))
         else:
-            groups = torch.zeros(b, 0, dtype=torch.long, device=x.device)
-            valid = torch.zeros(b, 0, dtype=torch.bool, device=x.device)
             latents = kv.new_zeros(b, 0, self.out_dim)
         if carry is not None and ring > 0:
             write_ring(carry.kv, ext_kv, ext_start)
             if ext_gate is not None:
                 write_ring(carry.gate, ext_gate, ext_start)
-        return self.kv_norm(latents), groups, valid
+        return latents, first, count
+
+    def _pool_one(
+        self, kv: torch.Tensor, gate: torch.Tensor | None, step: Step, carry: CompressorCarry
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Decode: put the new row in the carry; pool only when a group completes."""
+        b, ring = kv.shape[0], carry.ring
+        rows = torch.arange(b, device=kv.device)
+        slots = step.start.remainder(ring)
+        carry.kv[rows, slots] = kv[:, 0]
+        if gate is not None:
+            carry.gate[rows, slots] = gate[:, 0]
+        first, count = step.groups(self.ratio)
+        if max(count) == 0:
+            return kv.new_zeros(b, 0, self.out_dim), first, count
+        end = step.start + 1  # the ring now holds positions [end - ring, end)
+        ext_kv = ordered_ring(carry.kv, end, ring)
+        ext_gate = None if gate is None else ordered_ring(carry.gate, end, ring)
+        groups = torch.tensor(first, device=kv.device)[:, None]
+        latents = self.kv_norm(self._pool_groups(ext_kv, ext_gate, end - ring, groups, first))
+        return latents, first, count
 
     def _pool_groups(
         self,
@@ -147,6 +158,7 @@ class Compressor(nn.Module):
         ext_gate: torch.Tensor | None,
         ext_start: torch.Tensor,
         groups: torch.Tensor,
+        first: list[int],
     ) -> torch.Tensor:
         r, d = self.ratio, self.out_dim
         length = ext_kv.shape[1]
@@ -169,23 +181,26 @@ class Compressor(nn.Module):
         prev = (cur - r).clamp(0, length - 1)
         kv = torch.cat([take(ext_kv, prev, 0, d), take(ext_kv, cur, d, 2 * d)], dim=2)  # [B, G, 2r, D]
         gate = torch.cat([take(ext_gate, prev, 0, d), take(ext_gate, cur, d, 2 * d)], dim=2)
-        first_group = (groups == 0)[..., None, None] & (torch.arange(2 * r, device=kv.device) < r)[:, None]
-        kv = kv.masked_fill(first_group, 0.0)
-        gate = gate.masked_fill(first_group, float("-inf"))
+        if min(first) == 0:  # group 0 has no predecessor: its "Ca" half gets no weight
+            first_group = (groups == 0)[..., None, None] & (torch.arange(2 * r, device=kv.device) < r)[
+                :, None
+            ]
+            kv = kv.masked_fill(first_group, 0.0)
+            gate = gate.masked_fill(first_group, float("-inf"))
         return (kv * gate.softmax(dim=2)).sum(dim=2)
 
 
-def scatter_entries(
-    store: torch.Tensor, values: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor
-) -> None:
-    """store[b, groups[b, k]] = values[b, k] where valid. store: [B, cap, D]."""
-    if values.shape[1] == 0:
-        return
+def scatter_entries(store: torch.Tensor, values: torch.Tensor, first: list[int], count: list[int]) -> None:
+    """store[b, first[b] + k] = values[b, k] for k < count[b]. store: [B, cap, D]."""
     cap = store.shape[1]
-    if bool((groups[valid] >= cap).any()):
-        raise ValueError(f"compressed-entry capacity {cap} exceeded; allocate the cache for a longer context")
-    b_idx = torch.arange(store.shape[0], device=store.device)[:, None].expand_as(groups)
-    store[b_idx[valid], groups[valid]] = values[valid].to(store.dtype)
+    for row, (g0, n) in enumerate(zip(first, count, strict=True)):
+        if n == 0:
+            continue
+        if g0 + n > cap:
+            raise ValueError(
+                f"compressed-entry capacity {cap} exceeded; allocate the cache for a longer context"
+            )
+        store[row, g0 : g0 + n] = values[row, :n].to(store.dtype)
 
 
 def causal_entry_limit(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -196,20 +211,15 @@ def causal_entry_limit(positions: torch.Tensor, ratio: int) -> torch.Tensor:
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last axis, ties broken by the lower index.
 
-    scores: [..., N] float; returns [..., k] long. Uses topk and repairs only rows with a tie
-    at the cut-off, where a stable sort decides.
+    scores: [..., N] float32 (or narrower); returns [..., k] long. Each score is widened to
+    float64 and nudged down by a relative index * 2^-50 (zeros by index * 2^-1000), which
+    orders equal scores by index and never reorders distinct float32 values (they differ by
+    at least 2^-24 relative; the nudge stays below 2^-30 for N < 2^20).
     """
-    top = torch.topk(scores, k, dim=-1)
-    if k == 0 or k == scores.shape[-1]:
-        return top.indices
-    thr = top.values[..., -1:]
-    n_eq = (scores == thr).sum(-1)
-    n_gt = (scores > thr).sum(-1)
-    tied = (n_gt + n_eq > k) & torch.isfinite(thr.squeeze(-1))
-    if bool(tied.any()):
-        rows = scores[tied]
-        order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[..., :k]
-        indices = top.indices.clone()
-        indices[tied] = order
-        return indices
-    return top.indices
+    n = scores.shape[-1]
+    if k == 0 or k >= n:
+        return torch.topk(scores, min(k, n), dim=-1).indices
+    s64 = scores.double()
+    idx = torch.arange(n, device=scores.device, dtype=torch.float64)
+    nudged = torch.where(s64 == 0, -idx * 2.0**-1000, s64 - s64.abs() * (idx * 2.0**-50))
+    return torch.topk(nudged, k, dim=-1).indices

@@ -6,6 +6,7 @@ Not for: attention or caches (see :mod:`replaykv.model.attention`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,14 +23,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return cast(F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps), x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight; the scale is computed in float32, the product in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """RMSNorm without a weight, computed in float32, cast back to x's dtype."""
+    return cast(F.rms_norm(x.float(), (x.shape[-1],), None, eps), x.dtype)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, without a dispatch when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class HyperConnection(nn.Module):
@@ -54,23 +58,49 @@ class HyperConnection(nn.Module):
         """streams [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (float32)."""
         n = self.hc_mult
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        m = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return pre, post, comb
+        # One scale per output: (pre ×n, post ×n, comb ×n²), then the bias, as one elementwise pass.
+        scales = self.scale.repeat_interleave(torch.tensor([n, n, n * n], device=self.scale.device))
+        z = F.linear(flat, self.fn) * scales + self.base
+        pre_z, post_z, comb_z = z.split([n, n, n * n], dim=-1)
+        pre = torch.sigmoid(pre_z) + self.hc_eps
+        post = 2 * torch.sigmoid(post_z)
+        comb = torch.softmax(comb_z.unflatten(-1, (n, n)), dim=-1) + self.hc_eps
+        return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
+
+
+# Below this many elements a CPU Sinkhorn runs in NumPy: the same float32 operations, with a
+# fraction of torch's per-operation cost (decode steps are dominated by it).
+_SMALL_SINKHORN = 4096
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Normalise columns once, then rows and columns iters-1 times, each sum + eps. [..., n, n]."""
+    if comb.device.type == "cpu" and comb.numel() <= _SMALL_SINKHORN and not comb.requires_grad:
+        c = (comb.detach() if comb.requires_grad else comb).numpy().copy()
+        e = np.float32(eps)
+        col = np.empty((*c.shape[:-2], 1, c.shape[-1]), dtype=c.dtype)
+        row = np.empty((*c.shape[:-1], 1), dtype=c.dtype)
+        np.add.reduce(c, axis=-2, keepdims=True, out=col)
+        col += e
+        c /= col
+        for _ in range(iters - 1):
+            np.add.reduce(c, axis=-1, keepdims=True, out=row)
+            row += e
+            c /= row
+            np.add.reduce(c, axis=-2, keepdims=True, out=col)
+            col += e
+            c /= col
+        return torch.from_numpy(c)
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Weighted sum of the streams: [B, S, n, D] x [B, S, n] -> [B, S, D]."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return cast((pre.unsqueeze(-1) * streams).sum(dim=2), streams.dtype)
 
 
 def hc_expand(
@@ -78,8 +108,8 @@ def hc_expand(
 ) -> torch.Tensor:
     """new_k = post_k * out + sum_j comb[j, k] * stream_j  -> [B, S, n, D]."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
+    return cast(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        cast(comb, dtype).transpose(-1, -2), streams
     )
 
 

@@ -2,8 +2,8 @@
 
 Channel pairs (2i, 2i+1) of the trailing `rope_dim` channels rotate as complex numbers by
 angle position * f_i; leading channels pass through. Two flavours: plain (sliding-only
-layers) and frequency-only YaRN (compressed branches, no mscale). Not for: caching cos/sin
-tables across calls (they are cheap to recompute from positions).
+layers) and frequency-only YaRN (compressed branches, no mscale). A call's tables are built
+once per forward and shared by every layer. Not for: caching tables across calls.
 """
 
 from __future__ import annotations
@@ -32,25 +32,31 @@ def inv_freq(rope: RopeConfig, rope_dim: int, device: torch.device | None = None
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of positions * freqs: positions [...] -> two float32 tensors [..., rope_dim // 2]."""
+def rope_table(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) at positions [...], each [..., rope_dim] float32.
+
+    cos is repeated per pair (c0, c0, c1, c1, ...); sin is signed (-s0, s0, -s1, s1, ...), so a
+    rotation is x * cos + swap_pairs(x) * sin.
+    """
     angles = positions[..., None].float() * freqs
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x.
+    """Rotate the trailing cos.shape[-1] channels of x by the table's angles (or their negatives).
 
-    x: [..., D]; cos/sin: broadcastable to [..., rope_dim // 2] once a head axis is inserted by
-    the caller. `inverse` rotates by the negative angle (the output de-rotation).
+    x: [..., D]; cos/sin: broadcastable to x[..., -rope_dim:] (insert a head axis at the caller).
+    The products are those of (x0·c − x1·s, x1·c + x0·s), in float32.
     """
-    half = cos.shape[-1]
-    nope, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
-    pairs = rope.float().unflatten(-1, (half, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    if inverse:
-        sin = -sin
-    rot_even = even * cos - odd * sin
-    rot_odd = odd * cos + even * sin
-    rotated = torch.stack((rot_even, rot_odd), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((nope, rotated), dim=-1)
+    r = cos.shape[-1]
+    tail = x[..., x.shape[-1] - r :]
+    if tail.dtype != torch.float32:
+        tail = tail.float()
+    swapped = tail.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
+    rotated = tail * cos + swapped * (-sin if inverse else sin)
+    if rotated.dtype != x.dtype:
+        rotated = rotated.to(x.dtype)
+    if r == x.shape[-1]:
+        return rotated
+    return torch.cat((x[..., : x.shape[-1] - r], rotated), dim=-1)

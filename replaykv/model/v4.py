@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replaykv.model.attention import Attention, RopeTables
+from replaykv.model.attention import Attention
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, hc_collapse, hc_expand
 from replaykv.model.rope import inv_freq
+from replaykv.model.step import RopeTables, Step
 
 
 class DecoderLayer(nn.Module):
@@ -34,14 +35,12 @@ class DecoderLayer(nn.Module):
         self,
         streams: torch.Tensor,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RopeTables,
+        step: Step,
         cache: LayerCacheView,
-        floors: torch.Tensor,
     ) -> torch.Tensor:
         """streams [B, S, n, hidden] -> [B, S, n, hidden]."""
         pre, post, comb = self.attn_hc.mixes(streams)
-        attn = self.self_attn(self.input_layernorm(hc_collapse(streams, pre)), positions, rope, cache, floors)
+        attn = self.self_attn(self.input_layernorm(hc_collapse(streams, pre)), step, cache)
         streams = hc_expand(streams, attn, post, comb)
         pre, post, comb = self.ffn_hc.mixes(streams)
         ffn = self.mlp(self.post_attention_layernorm(hc_collapse(streams, pre)), input_ids)
@@ -59,27 +58,38 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
-    def rope_tables(self, positions: torch.Tensor) -> RopeTables:
+    def step(self, cache: CacheView, seq: int) -> Step:
+        """Positions and RoPE tables of a call adding `seq` tokens to every row of the view."""
         c = self.config
-        dev = positions.device
-        freqs = {
-            "main": inv_freq(c.rope_main, c.qk_rope_head_dim, dev),
-            "compress": inv_freq(c.rope_compress, c.qk_rope_head_dim, dev),
-        }
-        return RopeTables(freqs, positions)
+        dev = cache.positions.device
+        key = (str(dev), c.qk_rope_head_dim)
+        if getattr(self, "_freqs_key", None) != key:
+            self._freqs = {
+                "main": inv_freq(c.rope_main, c.qk_rope_head_dim, dev),
+                "compress": inv_freq(c.rope_compress, c.qk_rope_head_dim, dev),
+            }
+            self._freqs_key = key
+        positions = cache.positions[:, None] + torch.arange(seq, device=dev)
+        floors = cache.floors()
+        return Step(
+            positions=positions,
+            start=cache.positions,
+            start_host=tuple(cache.positions.tolist()),
+            floors=floors,
+            floors_host=tuple(floors.tolist()),
+            rope=RopeTables.build(self._freqs, positions),
+        )
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView) -> torch.Tensor:
         """input_ids [B, S] -> final hidden states [B, S, hidden]."""
         s = input_ids.shape[1]
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"cache view has {len(cache.layers)} layers, the model {len(self.layers)}")
-        positions = cache.positions[:, None] + torch.arange(s, device=input_ids.device)
-        rope = self.rope_tables(positions)
-        floors = cache.floors()
+        step = self.step(cache, s)
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            streams = layer(streams, input_ids, positions, rope, layer_cache, floors)
+            streams = layer(streams, input_ids, step, layer_cache)
         return self.norm(self.hc_head(streams))
 
 

@@ -1,0 +1,76 @@
+"""What every layer of one forward needs to know about the rows it runs: positions and RoPE.
+
+Built once per forward from the cache view. Host-side copies of the start positions let layers
+size their work without a device synchronisation per layer. Not for: cache tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replaykv.model.rope import rope_table
+
+
+@dataclass
+class RopeTables:
+    """RoPE of one call: inverse frequencies per flavour ('main', 'compress') and the tables of
+    the call's rows ([B, S, rope_dim] each)."""
+
+    freqs: dict[str, torch.Tensor]
+    rows: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    per_head: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def build(cls, freqs: dict[str, torch.Tensor], positions: torch.Tensor) -> RopeTables:
+        rows = {kind: rope_table(f, positions) for kind, f in freqs.items()}
+        per_head = {kind: (c[:, :, None], s[:, :, None]) for kind, (c, s) in rows.items()}
+        return cls(freqs, rows, per_head)
+
+    def __getitem__(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows[kind]
+
+    def heads(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables with a head axis: [B, S, 1, rope_dim]."""
+        return self.per_head[kind]
+
+    def at(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables at arbitrary positions [...] -> [..., rope_dim]."""
+        return rope_table(self.freqs[kind], positions)
+
+
+@dataclass
+class Step:
+    """Rows of one forward: B rows, S new tokens each, row b at positions start[b] + [0, S)."""
+
+    positions: torch.Tensor  # [B, S] long
+    start: torch.Tensor  # [B] long
+    start_host: tuple[int, ...]
+    floors: torch.Tensor  # [B] long, first readable window position
+    floors_host: tuple[int, ...]
+    rope: RopeTables
+
+    @property
+    def batch(self) -> int:
+        return len(self.start_host)
+
+    @property
+    def seq(self) -> int:
+        return int(self.positions.shape[1])
+
+    def window_unclipped(self, window: int) -> bool:
+        """True when every row's window keys are all readable (no floor, no negative position)."""
+        first = min(self.start_host) - (window - 1)
+        return first >= 0 and max(self.floors_host) <= first
+
+    def groups(self, ratio: int) -> tuple[list[int], list[int]]:
+        """Per row: the first group this call may complete and how many it completes."""
+        s = self.seq
+        first = [p // ratio for p in self.start_host]
+        count = [(p + s) // ratio - p // ratio for p in self.start_host]
+        return first, count
+
+    def visible_entries(self, ratio: int, query: int) -> int:
+        """Largest number of entries any row's query `query` (0-based in the call) may see."""
+        return max((p + query + 1) // ratio for p in self.start_host)
