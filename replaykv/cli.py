@@ -13,7 +13,6 @@ from pathlib import Path
 
 _NOT_YET = {
     "serve": "the OpenAI-compatible server",
-    "plan": "the capacity planner",
     "train": "training the small model",
     "accept": "the acceptance harness",
 }
@@ -101,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-tokens", type=int, default=16)
     sp.set_defaults(func=cmd_generate)
 
+    sp = sub.add_parser(
+        "plan", help="capacity planner: the three ledgers for a model and a workload", add_help=False
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _plan(a.rest))
+
     sp = sub.add_parser("store", help="operate on a persistent global-KV store: stats, verify, gc")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _store(a.rest))
@@ -116,6 +121,12 @@ def _store(rest: list[str]) -> int:
     from replaykv.cache.store_cli import main as store_main
 
     return int(store_main(rest))
+
+
+def _plan(rest: list[str]) -> int:
+    from replaykv.plan.cli import main as plan_main
+
+    return int(plan_main(rest))
 
 
 def _not_yet(name: str, what: str) -> int:

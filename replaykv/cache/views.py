@@ -22,10 +22,14 @@ def allocate_view(
 ) -> CacheView:
     """Zero-filled caches for `batch` rows of up to `max_tokens` tokens each."""
     dev = torch.device(device)
-    layers = []
+    layers: list[LayerCacheView] = []
     for ls in spec.layers:
         view = LayerCacheView(window=torch.zeros(batch, ls.window, ls.head_dim, device=dev, dtype=dtype))
-        if ls.ratio:
+        if ls.ratio and not ls.owns_compressor:
+            # Reuse / Reindex layers read their source's entries and index keys: same tensors.
+            src = layers[ls.source]
+            view.entries, view.index_keys = src.entries, src.index_keys
+        elif ls.ratio:
             cap = max(1, ls.entries_for(max_tokens))
             view.entries = torch.zeros(batch, cap, ls.head_dim, device=dev, dtype=dtype)
             if ls.carry_ring:
@@ -35,6 +39,7 @@ def allocate_view(
                 )
             if ls.index_dim:
                 view.index_keys = torch.zeros(batch, cap, ls.index_dim, device=dev, dtype=dtype)
+            if ls.index_carry_ring:
                 view.index_carry = CompressorCarry(
                     torch.zeros(batch, ls.index_carry_ring, ls.index_carry_width, device=dev),
                     torch.zeros(batch, ls.index_carry_ring, ls.index_carry_width, device=dev),

@@ -1,8 +1,10 @@
 """Loading and saving Hugging Face-format checkpoints (config.json + safetensors).
 
-A directory written by transformers' `DeepseekV4ForCausalLM.save_pretrained` loads unchanged;
-`save_pretrained` writes the same layout and parameter names back. Not for: downloading from a
-hub (a model directory must already be on disk).
+DeepSeek-V4 (`model_type` deepseek_v4) and DeepSeek-V4.1 (flat `deepseek_v41_text` or composite
+`deepseek_v41` configs). A directory written by transformers' `save_pretrained` loads unchanged,
+and so do DeepSeek's released names; the family and naming are detected from config and keys,
+and a checkpoint that matches neither is rejected with the keys that do not fit.
+`save_pretrained` writes transformers' names. Not for: downloading from a hub.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from replaykv.model.config import DeepseekV4Config
+from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.v4 import DeepseekV4ForCausalLM
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+
+AnyConfig = DeepseekV4Config | DeepseekV41Config
+AnyModel = DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,7 +32,15 @@ _FP32_SUFFIXES = (
     "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.weight", "kv_norm.weight",
     "input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
 )  # fmt: skip
-_FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.")
+_FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "e_score_correction_bias_vl")
+
+# DeepSeek-V4.1 indexers sit beside the compressor (V4 nests them inside it).
+_V41_INDEXER = [
+    (r"^self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "self_attn.indexer.weights_proj."),
+    (r"^self_attn\.compressor\.indexer\.q_b_proj\.", "self_attn.indexer.q_b_proj."),
+    (r"^self_attn\.indexer\.wk\.", "self_attn.indexer.k_proj."),
+    (r"^mlp\.gate\.bias_vl$", "mlp.gate.e_score_correction_bias_vl"),
+]
 
 
 # DeepSeek's released leaf names -> transformers' names, inside one layer ("attn." / "ffn." already mapped).
@@ -64,7 +79,7 @@ _TOP_LEVEL = {
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w[123])\.weight$")
 
 
-def to_transformers_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_transformers_names(state: dict[str, torch.Tensor], family: str = "v4") -> dict[str, torch.Tensor]:
     """Rename a checkpoint in any known naming to transformers' names.
 
     Accepts transformers' names, DeepSeek's released names (`embed.weight`,
@@ -86,7 +101,7 @@ def to_transformers_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         layer, rest = m.group(1), m.group(2)
         rest = re.sub(r"^attn\.", "self_attn.", rest)
         rest = re.sub(r"^ffn\.", "mlp.", rest)
-        for pattern, repl in _DEEPSEEK_LEAVES:
+        for pattern, repl in _DEEPSEEK_LEAVES + (_V41_INDEXER if family == "v41" else []):
             rest = re.sub(pattern, repl, rest)
         em = _EXPERT.match(rest)
         if em:
@@ -143,9 +158,27 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_config(model_dir: str | Path) -> DeepseekV4Config:
+def load_config(model_dir: str | Path) -> AnyConfig:
+    """DeepSeek-V4 or V4.1 config from `config.json`, chosen by its model_type."""
     raw: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
-    return DeepseekV4Config.from_dict(raw)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> AnyConfig:
+    model_type = raw.get("model_type")
+    if model_type == "deepseek_v4":
+        return DeepseekV4Config.from_dict(raw)
+    if model_type in ("deepseek_v41", "deepseek_v41_text"):
+        return DeepseekV41Config.from_dict(raw)
+    raise ValueError(
+        f"config model_type {model_type!r} is not supported; expected deepseek_v4, deepseek_v41 or deepseek_v41_text"
+    )
+
+
+def build_model(config: AnyConfig) -> AnyModel:
+    if isinstance(config, DeepseekV41Config):
+        return DeepseekV41ForCausalLM(config)
+    return DeepseekV4ForCausalLM(config)
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -157,17 +190,24 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32"
-) -> DeepseekV4ForCausalLM:
-    """Build the model from `config.json` and load its weights (transformers names)."""
+    model_dir: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    config: AnyConfig | None = None,
+) -> Any:
+    """Build the model from `config.json` (or `config`) and load its weights (either naming)."""
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    config = config if config is not None else load_config(model_dir)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
+        model = build_model(config)
     model = model.to_empty(device="cpu")
     state = read_state_dict(model_dir)
-    state = {k: v for k, v in state.items() if not k.startswith(("mtp.", "model.mtp."))}
-    state = to_internal_names(to_transformers_names(state))
+    ignored = ("mtp.", "model.mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+    state = {k: v for k, v in state.items() if not k.startswith(ignored)}
+    family = "v41" if isinstance(config, DeepseekV41Config) else "v4"
+    state = to_transformers_names(state, family)
+    if family == "v4":
+        state = to_internal_names(state)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -180,11 +220,12 @@ def load_model(
     return model.to(torch.device(device)).eval()
 
 
-def to_transformers_state_dict(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tensor]:
-    """Our state dict under transformers' names (the indexer nested under the compressor)."""
+def to_transformers_state_dict(model: AnyModel) -> dict[str, torch.Tensor]:
+    """Our state dict under transformers' names (V4: the indexer nested under the compressor)."""
     out = {}
+    v4 = isinstance(model, DeepseekV4ForCausalLM)
     for k, v in model.state_dict().items():
-        if ".self_attn.indexer." in k:
+        if v4 and ".self_attn.indexer." in k:
             head, tail = k.split(".self_attn.indexer.")
             tail = tail.replace("key_compressor.", "")
             k = f"{head}.self_attn.compressor.indexer.{tail}"
@@ -192,7 +233,7 @@ def to_transformers_state_dict(model: DeepseekV4ForCausalLM) -> dict[str, torch.
     return out
 
 
-def save_pretrained(model: DeepseekV4ForCausalLM, model_dir: str | Path) -> None:
+def save_pretrained(model: AnyModel, model_dir: str | Path) -> None:
     """Write config.json and model.safetensors in transformers' layout."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)

@@ -222,4 +222,5 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     s64 = scores.double()
     idx = torch.arange(n, device=scores.device, dtype=torch.float64)
     nudged = torch.where(s64 == 0, -idx * 2.0**-1000, s64 - s64.abs() * (idx * 2.0**-50))
+    nudged = torch.where(torch.isinf(s64), s64, nudged)  # inf * 0 would be NaN
     return torch.topk(nudged, k, dim=-1).indices

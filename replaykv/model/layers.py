@@ -6,6 +6,8 @@ Not for: attention or caches (see :mod:`replaykv.model.attention`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,7 @@ class HyperConnection(nn.Module):
     stochastic matrices by Sinkhorn-Knopp (one column pass, then iters-1 row/column passes).
     """
 
-    def __init__(self, config: DeepseekV4Config) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         n = config.hc_mult
         self.hc_mult = n
@@ -162,16 +164,27 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
         self.limit = config.swiglu_limit
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], indices [T, k], weights [T, k] -> [T, H]."""
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, weight_before_down: bool = False
+    ) -> torch.Tensor:
+        """x [T, H], indices [T, k], weights [T, k] -> [T, H].
+
+        DeepSeek-V4 scales each expert's output by its weight; V4.1 (`weight_before_down`)
+        scales the activation, in float32, before the down projection.
+        """
         t, k = indices.shape
         if t * k <= self.num_experts:
             # Few rows (decode): gather each pick's weights and run them as one batched matmul.
             flat_idx = indices.reshape(-1)
             xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
             gate, up = torch.bmm(self.gate_up_proj[flat_idx], xs).squeeze(-1).chunk(2, dim=-1)
-            act = clamped_swiglu(gate, up, self.limit).unsqueeze(-1)
-            y = torch.bmm(self.down_proj[flat_idx], act).squeeze(-1) * weights.reshape(-1, 1).to(x.dtype)
+            act = clamped_swiglu(gate, up, self.limit)
+            if weight_before_down:
+                act = cast(cast(act, torch.float32) * weights.reshape(-1, 1), x.dtype)
+                y = torch.bmm(self.down_proj[flat_idx], act.unsqueeze(-1)).squeeze(-1)
+            else:
+                y = torch.bmm(self.down_proj[flat_idx], act.unsqueeze(-1)).squeeze(-1)
+                y = y * cast(weights.reshape(-1, 1), x.dtype)
             return y.view(t, k, -1).sum(dim=1)
         # Many rows: sort the (token, pick) pairs by expert, run each expert once on its rows,
         # then put the results back in (token, pick) order and sum over the picks.
@@ -179,17 +192,23 @@ class Experts(nn.Module):
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
         x_sorted = x[order // k]
+        w_sorted = weights.reshape(-1)[order]
         y_sorted = torch.empty_like(x_sorted)
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             gate, up = F.linear(x_sorted[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y_sorted[start : start + c] = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            act = clamped_swiglu(gate, up, self.limit)
+            if weight_before_down:
+                act = cast(cast(act, torch.float32) * w_sorted[start : start + c, None], x.dtype)
+            y_sorted[start : start + c] = F.linear(act, self.down_proj[e])
             start += c
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
-        return (y.view(t, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
+        if weight_before_down:
+            return y.view(t, k, -1).sum(dim=1)
+        return (y.view(t, k, -1) * cast(weights.unsqueeze(-1), x.dtype)).sum(dim=1)
 
 
 class Router(nn.Module):
@@ -247,3 +266,56 @@ class MoE(nn.Module):
         indices, weights = self.gate(flat, input_ids.reshape(-1))
         routed = self.experts(flat, indices, weights).view_as(x)
         return routed + self.shared_experts(x)
+
+
+class RouterV41(nn.Module):
+    """DeepSeek-V4.1 gate: float32 logits / gate_temp, sqrt-softplus scores, selection by top-k of
+    (score + e_score_correction_bias), weights from the unbiased scores (normalised when
+    norm_topk_prob and top_k > 1), times routed_scaling_factor. `e_score_correction_bias_vl`
+    (image tokens) is loaded but unused: there are no image tokens in the text backbone."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.scaling = config.routed_scaling_factor
+        self.gate_temp = config.gate_temp
+        self.normalise = config.norm_topk_prob and self.top_k > 1
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias: torch.Tensor
+        self.e_score_correction_bias_vl: torch.Tensor
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32)
+        )
+        self.register_buffer(
+            "e_score_correction_bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (indices [T, k], weights [T, k] float32)."""
+        logits = F.linear(cast(x, torch.float32), cast(self.weight, torch.float32))
+        if self.gate_temp != 1.0:
+            logits = logits / self.gate_temp
+        scores = F.softplus(logits).sqrt()
+        indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, indices)
+        if self.normalise:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return indices, w * self.scaling
+
+
+class MoEV41(nn.Module):
+    """DeepSeek-V4.1 MoE: routed experts (each output weighted before its down projection, in
+    float32) plus the shared expert, accumulated in float32."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.gate = RouterV41(config)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        indices, weights = self.gate(flat)
+        routed = self.experts(flat, indices, weights, weight_before_down=True)
+        out = cast(routed, torch.float32) + cast(self.shared_experts(x).reshape_as(flat), torch.float32)
+        return cast(out, x.dtype).view_as(x)

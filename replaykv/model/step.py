@@ -50,6 +50,9 @@ class Step:
     floors: torch.Tensor  # [B] long, first readable window position
     floors_host: tuple[int, ...]
     rope: RopeTables
+    # False while replaying rows whose global KV is already cached: sources then neither pool
+    # nor write compressed entries, index keys or compressor carry (they only read them).
+    write_global: bool = True
 
     @property
     def batch(self) -> int:

@@ -1,0 +1,400 @@
+"""The DeepSeek-V4.1 text model: CSA2 shared compressed KV, causal encoder–decoder, lagged mHC.
+
+Parameter names follow transformers' naming (architecture reference §12): `model.embed_tokens`,
+`self_attn.q_a_proj`, `self_attn.compressor.*` on KV sources, `self_attn.indexer.*` on index
+sources, fused `mlp.experts.gate_up_proj`, `attn_hc.*`; DeepSeek's released names are mapped on
+load by :mod:`replaykv.model.checkpoint`.
+
+Only KV sources own a compressor (ratio 2: gated pooling of pairs; ratio 1: a plain projection);
+every later compressed layer reads its source's entries and index keys. Index sources publish a
+top-k selection (Full sources score their own keys; Reindex layers re-score the source's keys
+with their own weights, inside the candidate source's block mask); Reuse layers attend with the
+latest selection. The window K=V entries are FP8, the compressed entries FP4 and the index keys
+and queries MXFP4 (fake-quantised, QAT semantics) unless `config.kv_quant` is off.
+
+The forward is split so that replay can run any layer range over any token range:
+`embed` -> `run_layers` (any number of times) -> `head`. Not for: owning caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replaykv.model.attention import _BLOCK_BUDGET, decode_attention, joint_attention
+from replaykv.model.cache_view import CacheView, LayerCacheView
+from replaykv.model.compressor import (
+    Compressor,
+    causal_entry_limit,
+    ordered_ring,
+    scatter_entries,
+    topk_lowest_index,
+    write_ring,
+)
+from replaykv.model.config_v41 import DeepseekV41Config
+from replaykv.model.layers import HyperConnection, MoEV41, RMSNorm, cast, hc_collapse, hc_expand
+from replaykv.model.quant import fp4_entry_fake_quant, fp8_window_fake_quant, mxfp4_index_fake_quant
+from replaykv.model.rope import apply_rope, inv_freq
+from replaykv.model.step import RopeTables, Step
+
+
+@dataclass
+class Residual:
+    """The residual state between layers: hc_mult streams and the lagged pre-mix.
+
+    streams: [B, S, n, hidden]; pre_mix: [B, S, n] float32 (the collapse weights the next site
+    uses); input_ids: [B, S].
+    """
+
+    streams: torch.Tensor
+    pre_mix: torch.Tensor
+    input_ids: torch.Tensor
+
+    def rows(self, start: int, end: int) -> Residual:
+        """The rows [start, end) of every sequence (for decoder replay's tail)."""
+        return Residual(self.streams[:, start:end], self.pre_mix[:, start:end], self.input_ids[:, start:end])
+
+
+@dataclass
+class Selection:
+    """Per-forward index state published by index sources for the layers after them.
+
+    topk: [B, S, k] selected entry ids (-1 = none). candidates: [B, S, kb] candidate block ids
+    (-1 = none) from the candidate source, or None.
+    """
+
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+    def rows(self, start: int, end: int) -> Selection:
+        return Selection(
+            None if self.topk is None else self.topk[:, start:end],
+            None if self.candidates is None else self.candidates[:, start:end],
+        )
+
+
+class IndexerV41(nn.Module):
+    """Index source: queries from the attention's q residual, keys from the source's latents.
+
+    Parameters (transformers names): q_b_proj [Hi·Di, q_lora], weights_proj [Hi, hidden] and,
+    on KV sources, k_proj [Di, head_dim] and k_norm [Di].
+    """
+
+    def __init__(self, config: DeepseekV41Config, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.ratio = config.compress_ratio(layer)
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.topk = config.index_topk
+        self.quant = config.kv_quant
+        self.is_candidate_source = layer == config.candidate_source
+        self.uses_candidates = 0 <= config.candidate_source < layer
+        self.cand_blocks = config.candidate_topk_blocks
+        self.cand_size = config.candidate_block_size
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.owns_keys = config.is_kv_source(layer)
+        self.k_proj: nn.Linear | None = None
+        self.k_norm: RMSNorm | None = None
+        if self.owns_keys:
+            self.k_proj = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index keys of new groups from their pre-RoPE latents: MXFP4(rope(k_norm(k_proj(latent))))."""
+        assert self.k_proj is not None and self.k_norm is not None
+        k = self.k_norm(self.k_proj(cast(latents, self.k_proj.weight.dtype)))
+        return mxfp4_index_fake_quant(apply_rope(k, cos, sin), enabled=self.quant)
+
+    def select(
+        self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, step: Step, selection: Selection
+    ) -> None:
+        """Score every query against the visible keys; publish top-k (and candidates) in `selection`."""
+        b, s, _ = x.shape
+        k = min(self.topk, keys.shape[1])
+        q = self.q_b_proj(q_res).view(b, s, self.n_heads, self.head_dim)
+        q = mxfp4_index_fake_quant(apply_rope(q, *step.rope.heads("compress")), enabled=self.quant).float()
+        w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, Hi]
+        limit = causal_entry_limit(step.positions, self.ratio)  # [B, S]
+        keys_f = keys.float()
+        topk = torch.full((b, s, k), -1, dtype=torch.long, device=x.device)
+        n_cand = 0
+        if self.is_candidate_source:
+            n_blocks = -(-keys.shape[1] // self.cand_size)
+            n_cand = min(self.cand_blocks, n_blocks)
+        cands = torch.full((b, s, n_cand), -1, dtype=torch.long, device=x.device) if n_cand else None
+        per_row = b * self.n_heads
+        i0 = 0
+        while i0 < s:
+            q_step = max(
+                1, min(s - i0, _BLOCK_BUDGET // max(1, per_row * step.visible_entries(self.ratio, i0)))
+            )
+            while (
+                q_step > 1
+                and q_step * per_row * step.visible_entries(self.ratio, i0 + q_step - 1) > _BLOCK_BUDGET
+            ):
+                q_step //= 2
+            i1 = i0 + q_step
+            n_vis = step.visible_entries(self.ratio, i1 - 1)
+            if n_vis > 0:
+                nq = i1 - i0
+                dots = torch.matmul(
+                    q[:, i0:i1].reshape(b, nq * self.n_heads, -1), keys_f[:, :n_vis].transpose(1, 2)
+                )
+                dots = F.relu_(dots).mul_(self.head_dim**-0.5).view(b, nq, self.n_heads, n_vis)
+                scores = (dots * w[:, i0:i1, :, None]).sum(dim=2)  # [B, Q, N]
+                lim = limit[:, i0:i1, None]
+                scores = scores.masked_fill_(torch.arange(n_vis, device=x.device) >= lim, float("-inf"))
+                if cands is not None:
+                    picked = self._candidates(scores, lim)
+                    cands[:, i0:i1, : picked.shape[-1]] = picked
+                elif self.uses_candidates and selection.candidates is not None:
+                    scores = scores.masked_fill_(
+                        ~self._candidate_mask(selection.candidates[:, i0:i1], n_vis), float("-inf")
+                    )
+                idx = topk_lowest_index(scores, min(k, n_vis))
+                dropped = scores.gather(-1, idx) == float("-inf")
+                topk[:, i0:i1, : idx.shape[-1]] = idx.masked_fill_(dropped, -1)
+            i0 = i1
+        selection.topk = topk
+        if cands is not None:
+            selection.candidates = cands
+
+    def _candidates(self, scores: torch.Tensor, lim: torch.Tensor) -> torch.Tensor:
+        """Level one of the two-level top-k: the best blocks of `cand_size` positions per query,
+        the block of the newest visible position always kept, unreachable blocks dropped.
+        scores: [B, Q, N] (-inf where unreachable); lim: [B, Q, 1] -> block ids [B, Q, kb]."""
+        n = scores.shape[-1]
+        pad = -n % self.cand_size
+        blocks = F.pad(scores, (0, pad), value=float("-inf")).unflatten(-1, (-1, self.cand_size)).amax(-1)
+        newest = torch.div(lim - 1, self.cand_size, rounding_mode="floor")  # [B, Q, 1]
+        blocks = blocks.masked_fill(
+            torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf")
+        )
+        kb = min(self.cand_blocks, blocks.shape[-1])
+        idx = topk_lowest_index(blocks, kb)
+        return idx.masked_fill_(blocks.gather(-1, idx) == float("-inf"), -1)
+
+    def _candidate_mask(self, cand: torch.Tensor, n: int) -> torch.Tensor:
+        """Block ids [B, Q, kb] -> position mask [B, Q, n]."""
+        n_blocks = -(-n // self.cand_size)
+        mask = torch.zeros(*cand.shape[:-1], n_blocks + 1, dtype=torch.bool, device=cand.device)
+        mask.scatter_(-1, cand.clamp(min=-1).remainder(n_blocks + 1).masked_fill(cand < 0, n_blocks), True)
+        return mask[..., :n_blocks].repeat_interleave(self.cand_size, dim=-1)[..., :n]
+
+
+class AttentionV41(nn.Module):
+    """One DeepSeek-V4.1 attention block (transformers' parameter names under `self_attn.`)."""
+
+    def __init__(self, config: DeepseekV41Config, layer: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        h, d, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
+        self.n_heads, self.head_dim, self.window = h, d, config.sliding_window
+        self.ratio = config.compress_ratio(layer)
+        self.rope_kind = "main" if self.ratio == 0 else "compress"
+        self.quant = config.kv_quant
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, h * d, bias=False)
+        self.kv_proj = nn.Linear(hidden, d, bias=False)
+        self.kv_norm = RMSNorm(d, config.rms_norm_eps)
+        self.o_groups = config.o_groups
+        self.o_a_proj = nn.Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.compressor: Compressor | None = None
+        if config.is_kv_source(layer):
+            r = self.ratio
+            self.compressor = Compressor(
+                hidden, d, r, overlap=False, eps=config.rms_norm_eps, gate=r > 1, position_bias=False
+            )
+        self.indexer = IndexerV41(config, layer) if config.has_indexer(layer) else None
+
+    def forward(
+        self, x: torch.Tensor, step: Step, cache: LayerCacheView, selection: Selection
+    ) -> torch.Tensor:
+        """x [B, S, hidden] (normed) -> [B, S, hidden]."""
+        b, s, _ = x.shape
+        h, d, w = self.n_heads, self.head_dim, self.window
+        cos, sin = step.rope[self.rope_kind]
+        cos_h, sin_h = step.rope.heads(self.rope_kind)
+
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = apply_rope(self.q_b_proj(q_res).view(b, s, h, d), cos_h, sin_h)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = fp8_window_fake_quant(kv, enabled=self.quant)  # [B, S, D]
+        if s == 1:
+            slots = step.start.remainder(w)
+            cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
+            win_keys = cast(cache.window, kv.dtype)
+        else:
+            win_keys = torch.cat([cast(ordered_ring(cache.window, step.start, w - 1), kv.dtype), kv], dim=1)
+            write_ring(cache.window, kv, step.start)
+
+        entries = chosen = None
+        if self.ratio:
+            assert cache.entries is not None and cache.index_keys is not None
+            if self.compressor is not None and step.write_global:
+                self._compress(x, step, cache)
+            n = max((p + s) // self.ratio for p in step.start_host)
+            if self.indexer is not None:
+                self.indexer.select(x, q_res, cache.index_keys[:, :n], step, selection)
+            chosen = selection.topk
+            if chosen is not None:
+                entries = cast(cache.entries[:, :n], q.dtype)
+        if s == 1:
+            key_ok = None
+            if not step.window_unclipped(w):
+                slot_pos = step.start[:, None] - (
+                    step.start[:, None] - torch.arange(w, device=x.device)
+                ).remainder(w)
+                key_ok = slot_pos >= step.floors[:, None].clamp(min=0)
+            o = decode_attention(q, win_keys, key_ok, self.sinks, entries, None, chosen)
+        else:
+            o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen)
+        o = apply_rope(o, cos_h, sin_h, inverse=True)
+        g = self.o_groups
+        grouped = o.reshape(b * s, g, -1)
+        wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
+        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1).reshape(b, s, -1)
+        return self.o_b_proj(z)
+
+    def _compress(self, x: torch.Tensor, step: Step, cache: LayerCacheView) -> None:
+        """New groups -> index keys (from the pre-RoPE latents) and FP4 entries at position g·r."""
+        assert self.compressor is not None and cache.entries is not None and cache.index_keys is not None
+        latents, first, count = self.compressor.pool(x, step, cache.carry)
+        if latents.shape[1] == 0:
+            return
+        groups = torch.tensor(first, device=x.device)[:, None] + torch.arange(
+            latents.shape[1], device=x.device
+        )
+        cos, sin = step.rope.at("compress", groups * self.ratio)
+        if self.indexer is not None and self.indexer.owns_keys:
+            scatter_entries(cache.index_keys, self.indexer.keys(latents, cos, sin), first, count)
+        rotated = fp4_entry_fake_quant(apply_rope(latents, cos, sin), enabled=self.quant)
+        scatter_entries(cache.entries, rotated, first, count)
+
+
+class DecoderLayerV41(nn.Module):
+    """Attention and MoE with lagged mHC: each site collapses with the previous site's pre-mix."""
+
+    def __init__(self, config: DeepseekV41Config, layer: int) -> None:
+        super().__init__()
+        self.self_attn = AttentionV41(config, layer)
+        self.mlp = MoEV41(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, state: Residual, step: Step, cache: LayerCacheView, selection: Selection) -> Residual:
+        streams = state.streams
+        attn_pre, attn_post, attn_comb = self.attn_hc.mixes(streams)
+        attn = self.self_attn(
+            self.input_layernorm(hc_collapse(streams, state.pre_mix)), step, cache, selection
+        )
+        streams = hc_expand(streams, attn, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.ffn_hc.mixes(streams)
+        ffn = self.mlp(self.post_attention_layernorm(hc_collapse(streams, attn_pre)), state.input_ids)
+        return Residual(hc_expand(streams, ffn, ffn_post, ffn_comb), ffn_pre, state.input_ids)
+
+
+class DeepseekV41Model(nn.Module):
+    """Embedding, layers, final collapse with the last pre-mix, final norm."""
+
+    def __init__(self, config: DeepseekV41Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayerV41(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """`model` + `lm_head` (float32 logits), with the forward split for replay."""
+
+    def __init__(self, config: DeepseekV41Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV41Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._freqs: dict[str, torch.Tensor] = {}
+        self._freqs_device: torch.device | None = None
+
+    # ------------------------------------------------------------------ pieces of a forward
+    def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
+        """Positions and RoPE of a call adding `seq` tokens to every row of the view."""
+        dev = cache.positions.device
+        if self._freqs_device != dev:
+            c, rd = self.config, self.config.qk_rope_head_dim
+            assert c.rope_main is not None and c.rope_compress is not None
+            self._freqs = {
+                "main": inv_freq(c.rope_main, rd, dev),
+                "compress": inv_freq(c.rope_compress, rd, dev),
+            }
+            self._freqs_device = dev
+        positions = cache.positions[:, None] + torch.arange(seq, device=dev)
+        floors = cache.floors()
+        return Step(
+            positions=positions,
+            start=cache.positions,
+            start_host=tuple(cache.positions.tolist()),
+            floors=floors,
+            floors_host=tuple(floors.tolist()),
+            rope=RopeTables.build(self._freqs, positions),
+            write_global=write_global,
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> Residual:
+        """input_ids [B, S] -> the residual entering layer 0 (stream 0 selected by the pre-mix)."""
+        x = self.model.embed_tokens(input_ids)
+        streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=x.device)
+        pre_mix[..., 0] = 1.0
+        return Residual(streams, pre_mix, input_ids)
+
+    def run_layers(
+        self,
+        state: Residual,
+        layers: range,
+        step: Step,
+        cache: CacheView,
+        selection: Selection | None = None,
+    ) -> Residual:
+        """Run layers [a, b) over the rows of `step` (positions and window floors included)."""
+        selection = selection if selection is not None else Selection()
+        for i in layers:
+            state = self.model.layers[i](state, step, cache.layers[i], selection)
+        return state
+
+    def head(self, state: Residual) -> torch.Tensor:
+        """Final collapse with the last pre-mix, norm, float32 logits [B, S, vocab]."""
+        hidden = self.model.norm(hc_collapse(state.streams, state.pre_mix))
+        return F.linear(hidden.float(), self.lm_head.weight.float())
+
+    def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
+        """A plain forward of S new tokens per row: every layer over every row."""
+        if len(cache.layers) != len(self.model.layers):
+            raise ValueError(f"cache view has {len(cache.layers)} layers, the model {len(self.model.layers)}")
+        step = self.step(cache, input_ids.shape[1])
+        state = self.run_layers(self.embed(input_ids), range(len(self.model.layers)), step, cache)
+        if logits_rows == "last":
+            state = state.rows(state.streams.shape[1] - 1, state.streams.shape[1])
+        elif logits_rows == "none":
+            return torch.zeros(input_ids.shape[0], 0, self.config.vocab_size, device=input_ids.device)
+        return self.head(state)
+
+    def decoder_global_kv(self, cache: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's global KV: entries and index keys of the last KV source, which every
+        decoder layer reads ([B, N, head_dim], [B, N, index_head_dim], N = tokens so far)."""
+        cut = self.config.decoder_cut
+        lc = cache.layers[cut]
+        assert lc.entries is not None and lc.index_keys is not None
+        n = max(cache.positions.tolist()) // max(1, self.config.compress_ratio(cut))
+        return lc.entries[:, :n], lc.index_keys[:, :n]
