@@ -25,11 +25,11 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if getattr(args, "model", None):
         return load_model(args.model, device=args.device, dtype=args.dtype), False
+    from replaykv.model.checkpoint import build_model
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
-    from replaykv.model.v4 import DeepseekV4ForCausalLM
 
-    model = init_weights(DeepseekV4ForCausalLM(get_preset(args.preset)), seed=args.seed)
+    model = init_weights(build_model(get_preset(args.preset)), seed=args.seed)
     cast_model(model, parse_dtype(args.dtype))
     return model.to(torch.device(args.device)).eval(), True
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(sp: argparse.ArgumentParser, need_model: bool = False) -> None:
         sp.add_argument("--model", required=need_model, help="model directory (config.json + safetensors)")
         if not need_model:
-            sp.add_argument("--preset", default="tiny", help="preset used when --model is not given")
+            sp.add_argument("--preset", default="small", help="preset used when --model is not given")
             sp.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         sp.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
@@ -134,6 +134,12 @@ def _not_yet(name: str, what: str) -> int:
     return 2
 
 
+_PASSTHROUGH = {"plan": _plan, "store": _store}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:  # subcommands with their own parsers
+        return _PASSTHROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))

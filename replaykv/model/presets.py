@@ -3,7 +3,13 @@ small ones we run here. Not for: weights (a preset with random weights is announ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from replaykv.model.config import CSA, HCA, SLIDING, DeepseekV4Config, RopeConfig
+
+if TYPE_CHECKING:
+    from replaykv.model.config_v41 import DeepseekV41Config
 
 _V4_FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
 _TYPES = {0: SLIDING, 4: CSA, 128: HCA}
@@ -34,10 +40,19 @@ def v4_tiny() -> DeepseekV4Config:
     )  # fmt: skip
 
 
-PRESETS = {"v4-flash": v4_flash, "v4-tiny": v4_tiny, "tiny": v4_tiny}
+PRESETS_V4 = {"v4-flash": v4_flash, "v4-tiny": v4_tiny}
 
 
-def get_preset(name: str) -> DeepseekV4Config:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]()
+def all_presets() -> dict[str, Callable[[], DeepseekV4Config | DeepseekV41Config]]:
+    """Every named config: DeepSeek-V4 and V4.1 (`tiny` is V4.1's checklist config, `small` the
+    shipped size)."""
+    from replaykv.model.presets_v41 import PRESETS_V41, v41_small, v41_tiny
+
+    return {**PRESETS_V4, **PRESETS_V41, "tiny": v41_tiny, "small": v41_small}
+
+
+def get_preset(name: str) -> DeepseekV4Config | DeepseekV41Config:
+    presets = all_presets()
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+    return presets[name]()

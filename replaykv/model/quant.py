@@ -206,6 +206,33 @@ def _fp4_e4m3_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _e2m1_encode(q), scale_fp8.view(torch.uint8)
 
 
+def _fp4_e4m3_encode_exact(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The storage encoder: the quantiser's rule, except for blocks that are already FP4 values."""
+    codes, scale_u8 = _fp4_e4m3_encode(blocks)
+    scale_fp8 = scale_u8.view(torch.float8_e4m3fn)
+    scale = scale_fp8.to(torch.float32).unsqueeze(-1)
+    amax = blocks.abs().amax(dim=-1)
+    # The FP4 quantiser is not idempotent: when a block's scale rounded up, its largest value
+    # lands below 6 and the standard rule would pick another scale for the already-quantised
+    # block. A block that some other e4m3 scale represents exactly keeps that exact encoding,
+    # so packing a cache that already holds fake-quantised entries loses nothing.
+    inexact = (_e2m1_decode(codes) * scale != blocks).any(dim=-1)
+    if bool(inexact.any()):
+        for top in (4.0, 3.0, 2.0, 1.5, 1.0, 0.5):
+            alt_fp8 = (amax / top).clamp(min=2.0**-9, max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            alt = alt_fp8.to(torch.float32).unsqueeze(-1)
+            alt_codes = _e2m1_encode((blocks / alt).clamp(-E2M1_MAX, E2M1_MAX))
+            fits = inexact & (_e2m1_decode(alt_codes) * alt == blocks).all(dim=-1)
+            codes = torch.where(fits.unsqueeze(-1), alt_codes, codes)
+            scale_fp8 = torch.where(fits, alt_fp8.view(torch.uint8), scale_fp8.view(torch.uint8)).view(
+                torch.float8_e4m3fn
+            )
+            inexact &= ~fits
+            if not bool(inexact.any()):
+                break
+    return codes, scale_fp8.view(torch.uint8)
+
+
 def _fp4_e4m3_decode(codes: torch.Tensor, scale_code: torch.Tensor) -> torch.Tensor:
     scale = scale_code.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
     return _e2m1_decode(codes) * scale.unsqueeze(-1)
@@ -470,7 +497,7 @@ class Fp4CompressedEntry(KVEntryLayout):
     block: ClassVar[int] = 16
     data_bits: ClassVar[int] = 4
     flash_dim: ClassVar[int] = 512
-    _encode: ClassVar[_Encode] = _fp4_e4m3_encode
+    _encode: ClassVar[_Encode] = _fp4_e4m3_encode_exact
     _decode: ClassVar[_Decode] = _fp4_e4m3_decode
 
 

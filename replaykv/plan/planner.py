@@ -46,19 +46,17 @@ SAVING_PROMPTS = (512, 2048, 8192, 32768, 131072, 1048576)
 
 def load_model_config(spec: str, *, backbone_only: bool = False) -> AnyConfig:
     """A preset name (``v41-flash``, ``v4-flash``, ...) or a ``config.json`` path (or its directory)."""
-    from replaykv.model.presets import PRESETS
-    from replaykv.model.presets_v41 import PRESETS_V41
+    from replaykv.model.presets import all_presets
 
-    if spec in PRESETS_V41:
-        return PRESETS_V41[spec]()
-    if spec in PRESETS:
-        return PRESETS[spec]()
+    presets = all_presets()
+    if spec in presets:
+        return presets[spec]()
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
         raise ValueError(
-            f"model {spec!r} is neither a preset ({sorted([*PRESETS_V41, *PRESETS])}) nor an existing "
+            f"model {spec!r} is neither a preset ({sorted(presets)}) nor an existing "
             "config.json (or a directory holding one)"
         )
     raw = json.loads(path.read_text())

@@ -533,3 +533,10 @@ def test_property_round_trip_and_reference(case: int, data: np.ndarray, exponent
     np.testing.assert_array_equal(
         out.double().numpy(), ref_fake_quant(x.double().numpy(), layout.block, kind)
     )
+
+
+def test_packing_already_quantised_fp4_is_lossless() -> None:
+    """Caches hold fake-quantised values; storing them must not re-round (the band above)."""
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(11)) * 0.02
+    once = fp4_entry_fake_quant(x)
+    assert torch.equal(FP4_COMPRESSED_ENTRY.unpack(FP4_COMPRESSED_ENTRY.pack(once), 64), once)

@@ -298,3 +298,48 @@ def test_mixed_or_unknown_names_are_rejected(tmp_path: Path) -> None:
 def test_inconsistent_schedules_fail_clearly(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         v41_tiny().replace(**change)
+
+
+def test_packed_cache_continues_bit_identically() -> None:
+    """Pack every cache tensor into DeepSeek's byte layouts and back: the forward that continues
+    from the unpacked cache gives exactly the logits of the fake-quantised path."""
+    from replaykv.model.quant import FP4_COMPRESSED_ENTRY, FP8_WINDOW_ENTRY, MXFP4_INDEX_KEY
+
+    model = make_model("checklist", quant=True)
+    spec = ModelSpec.from_config(model.config)
+    ids = torch.randint(0, model.config.vocab_size, (1, 90))
+    views = [allocate_view(spec, 1, 90) for _ in range(2)]
+    with torch.inference_mode():
+        for view in views:
+            model(ids[:, :70], view)
+            advance(view, 70)
+        packed = views[1]
+        for i, (ls, lc) in enumerate(zip(spec.layers, packed.layers, strict=True)):
+            d = ls.head_dim
+            lc.window.copy_(FP8_WINDOW_ENTRY.unpack(FP8_WINDOW_ENTRY.pack(lc.window), d))
+            if ls.owns_compressor:
+                assert lc.entries is not None and lc.index_keys is not None
+                assert spec.layers[i].source == i
+                lc.entries.copy_(FP4_COMPRESSED_ENTRY.unpack(FP4_COMPRESSED_ENTRY.pack(lc.entries), d))
+                lc.index_keys.copy_(MXFP4_INDEX_KEY.unpack(MXFP4_INDEX_KEY.pack(lc.index_keys), ls.index_dim))
+        outs = [[], []]
+        for t in range(70, 90):
+            for k, view in enumerate(views):
+                outs[k].append(model(ids[:, t : t + 1], view))
+                advance(view, 1)
+    assert torch.equal(torch.cat(outs[0], 1), torch.cat(outs[1], 1))
+
+
+def test_released_shapes_instantiate_on_the_meta_device() -> None:
+    from replaykv.model.checkpoint import build_model
+    from replaykv.model.presets import v4_flash
+    from replaykv.model.presets_v41 import v41_flash
+
+    with torch.device("meta"):
+        v41 = build_model(v41_flash())
+        v4 = build_model(v4_flash())
+    n41 = sum(p.numel() for p in v41.parameters())
+    n4 = sum(p.numel() for p in v4.parameters())
+    # Backbones without Engram tables or MTP/DSpark layers (hundreds of billions of parameters).
+    assert 1e11 < n41 < 1e12 and 1e11 < n4 < 1e12, (n41, n4)
+    assert all(p.device.type == "meta" for p in v41.parameters())
