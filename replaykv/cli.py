@@ -49,7 +49,28 @@ def cmd_score(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: token ids out of range [0, {vocab}): {bad[:5]}", file=sys.stderr)
         return 2
-    logits = score(model, ids, chunk=args.chunk)
+    if args.cut is None:
+        if args.swa_miss_strategy or args.decoder_replay == "on":
+            print("error: --swa-miss-strategy and --decoder-replay need --cut H", file=sys.stderr)
+            return 2
+        logits = score(model, ids, chunk=args.chunk)
+    else:
+        from replaykv.engine.scenario import score_after_cut
+        from replaykv.replay import ReplayFlags
+
+        flags = ReplayFlags(
+            enable_decoder_swa_bounded_replay=args.decoder_replay == "on",
+            swa_miss_strategy=args.swa_miss_strategy or "bounded",
+            replay_span=args.replay_span,
+        )
+        try:
+            logits, plan = score_after_cut(
+                model, ids, args.cut, flags, keep_snapshot=not args.swa_miss_strategy
+            )
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(plan.describe())
     np.save(args.out, logits.numpy().astype(np.float32))
     print(f"wrote {args.out}: float32 {tuple(logits.shape)}")
     return 0
@@ -92,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(sp, need_model=True)
     sp.add_argument("--input-ids", required=True, help="JSON file holding a list of token ids")
     sp.add_argument("--out", required=True, help="output .npy file")
+    sp.add_argument(
+        "--cut", type=int, default=None, help="prefill [0, H) as an earlier request, score [H, end)"
+    )
+    sp.add_argument(
+        "--swa-miss-strategy",
+        choices=["bounded", "exact", "truncate", "full"],
+        default=None,
+        help="drop the window snapshot at H and rebuild it this way (default: keep it, a full hit)",
+    )
+    sp.add_argument("--decoder-replay", choices=["on", "off"], default="off")
+    sp.add_argument("--replay-span", type=int, default=None, help="W of bounded replay (default: the window)")
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("generate", help="one-shot greedy generation")

@@ -304,12 +304,14 @@ class Attention(nn.Module):
         entries = selection = None
         if self.compressor is not None:
             assert cache.entries is not None
-            self.compress(self.compressor, x, step, cache, index=False)
+            if step.write_global:
+                self.compress(self.compressor, x, step, cache, index=False)
             n = max((p + s) // self.ratio for p in step.start_host)
             entries = cast(cache.entries[:, :n], q.dtype)
             if self.indexer is not None:
                 assert cache.index_keys is not None
-                self.compress(self.indexer.key_compressor, x, step, cache, index=True)
+                if step.write_global:
+                    self.compress(self.indexer.key_compressor, x, step, cache, index=True)
                 selection = self.indexer.select(x, q_res, cache.index_keys[:, :n], step, self.rope_kind)
 
         if s == 1:

@@ -7,6 +7,7 @@ size their work without a device synchronisation per layer. Not for: cache tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -77,3 +78,54 @@ class Step:
     def visible_entries(self, ratio: int, query: int) -> int:
         """Largest number of entries any row's query `query` (0-based in the call) may see."""
         return max((p + query + 1) // ratio for p in self.start_host)
+
+
+@dataclass
+class Residual:
+    """The residual state between layers: hc_mult streams and the lagged pre-mix.
+
+    streams: [B, S, n, hidden]; pre_mix: [B, S, n] float32 (the collapse weights the next site
+    uses); input_ids: [B, S].
+    """
+
+    streams: torch.Tensor
+    pre_mix: torch.Tensor
+    input_ids: torch.Tensor
+
+    def rows(self, start: int, end: int) -> Residual:
+        """The rows [start, end) of every sequence (for decoder replay's tail)."""
+        return Residual(self.streams[:, start:end], self.pre_mix[:, start:end], self.input_ids[:, start:end])
+
+
+@dataclass
+class Selection:
+    """Per-forward index state published by index sources for the layers after them.
+
+    topk: [B, S, k] selected entry ids (-1 = none). candidates: [B, S, kb] candidate block ids
+    (-1 = none) from the candidate source, or None.
+    """
+
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+    def rows(self, start: int, end: int) -> Selection:
+        return Selection(
+            None if self.topk is None else self.topk[:, start:end],
+            None if self.candidates is None else self.candidates[:, start:end],
+        )
+
+
+class SplitModel(Protocol):
+    """The forward split every replayable model offers (DeepSeek-V4 and V4.1)."""
+
+    config: Any
+
+    def step(self, cache: Any, seq: int, write_global: bool = True) -> Step: ...
+
+    def embed(self, input_ids: torch.Tensor) -> Residual: ...
+
+    def run_layers(
+        self, state: Residual, layers: range, step: Step, cache: Any, selection: Selection | None = None
+    ) -> Residual: ...
+
+    def head(self, state: Residual) -> torch.Tensor: ...

@@ -16,7 +16,7 @@ from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, hc_collapse, hc_expand
 from replaykv.model.rope import inv_freq
-from replaykv.model.step import RopeTables, Step
+from replaykv.model.step import Residual, RopeTables, Selection, Step
 
 
 class DecoderLayer(nn.Module):
@@ -58,7 +58,7 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
-    def step(self, cache: CacheView, seq: int) -> Step:
+    def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
         """Positions and RoPE tables of a call adding `seq` tokens to every row of the view."""
         c = self.config
         dev = cache.positions.device
@@ -78,6 +78,7 @@ class DeepseekV4Model(nn.Module):
             floors=floors,
             floors_host=tuple(floors.tolist()),
             rope=RopeTables.build(self._freqs, positions),
+            write_global=write_global,
         )
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView) -> torch.Tensor:
@@ -101,6 +102,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # The forward split for replay (same calls as DeepSeek-V4.1; V4 has no lagged pre-mix).
+    def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
+        return self.model.step(cache, seq, write_global)
+
+    def embed(self, input_ids: torch.Tensor) -> Residual:
+        x = self.model.embed_tokens(input_ids)
+        streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        return Residual(streams, streams.new_zeros(streams.shape[:-1], dtype=torch.float32), input_ids)
+
+    def run_layers(
+        self, state: Residual, layers: range, step: Step, cache: CacheView, selection: Selection | None = None
+    ) -> Residual:
+        streams = state.streams
+        for i in layers:
+            streams = self.model.layers[i](streams, state.input_ids, step, cache.layers[i])
+        return Residual(streams, state.pre_mix, state.input_ids)
+
+    def head(self, state: Residual) -> torch.Tensor:
+        hidden = self.model.norm(self.model.hc_head(state.streams))
+        return nn.functional.linear(hidden.float(), self.lm_head.weight.float())
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, vocab] ("all") or [B, 1, vocab] ("last"), float32."""

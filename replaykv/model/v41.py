@@ -18,8 +18,6 @@ The forward is split so that replay can run any layer range over any token range
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,42 +36,7 @@ from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.layers import HyperConnection, MoEV41, RMSNorm, cast, hc_collapse, hc_expand
 from replaykv.model.quant import fp4_entry_fake_quant, fp8_window_fake_quant, mxfp4_index_fake_quant
 from replaykv.model.rope import apply_rope, inv_freq
-from replaykv.model.step import RopeTables, Step
-
-
-@dataclass
-class Residual:
-    """The residual state between layers: hc_mult streams and the lagged pre-mix.
-
-    streams: [B, S, n, hidden]; pre_mix: [B, S, n] float32 (the collapse weights the next site
-    uses); input_ids: [B, S].
-    """
-
-    streams: torch.Tensor
-    pre_mix: torch.Tensor
-    input_ids: torch.Tensor
-
-    def rows(self, start: int, end: int) -> Residual:
-        """The rows [start, end) of every sequence (for decoder replay's tail)."""
-        return Residual(self.streams[:, start:end], self.pre_mix[:, start:end], self.input_ids[:, start:end])
-
-
-@dataclass
-class Selection:
-    """Per-forward index state published by index sources for the layers after them.
-
-    topk: [B, S, k] selected entry ids (-1 = none). candidates: [B, S, kb] candidate block ids
-    (-1 = none) from the candidate source, or None.
-    """
-
-    topk: torch.Tensor | None = None
-    candidates: torch.Tensor | None = None
-
-    def rows(self, start: int, end: int) -> Selection:
-        return Selection(
-            None if self.topk is None else self.topk[:, start:end],
-            None if self.candidates is None else self.candidates[:, start:end],
-        )
+from replaykv.model.step import Residual, RopeTables, Selection, Step
 
 
 class IndexerV41(nn.Module):

@@ -1,0 +1,68 @@
+"""Cache scenarios on one text, in process: what a replay path does to a follow-up request.
+
+`score_after_cut` prefills tokens [0, cut) as an earlier, finished request (under the same
+decoder setting), optionally drops the window snapshot it left (filling the window rings with
+garbage so that any read of them shows), then runs the follow-up request [0, S) through the
+plan the chosen path makes and returns the logits of rows [cut, S). Rows the path does not
+compute (decoder replay computes the decoder only for the last W rows) are NaN.
+Not for: serving (the engine does the same through the cache manager).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from replaykv.cache.views import allocate_view
+from replaykv.engine.runner import execute
+from replaykv.model.cache_view import CacheView
+from replaykv.model.spec import ModelSpec
+from replaykv.replay import CacheState, PrefillPlan, ReplayFlags, plan_prefill
+
+
+def drop_snapshot(view: CacheView, seed: int = 0) -> None:
+    """Overwrite every window ring with large random values (a missing snapshot)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for layer in view.layers:
+        junk = torch.randn(layer.window.shape, generator=gen) * 1e3
+        layer.window.copy_(junk.to(layer.window.dtype))
+
+
+def prefill_as_request(
+    model: Any, ids: torch.Tensor, view: CacheView, flags: ReplayFlags
+) -> tuple[torch.Tensor, PrefillPlan]:
+    """A cold prefill of `ids` [1, S] under `flags`' decoder setting."""
+    spec = ModelSpec.from_config(model.config)
+    plan = plan_prefill(CacheState(tokens=ids.shape[1]), spec, flags)
+    return execute(model, plan, ids, view), plan
+
+
+def score_after_cut(
+    model: Any,
+    ids: list[int],
+    cut: int,
+    flags: ReplayFlags,
+    keep_snapshot: bool,
+) -> tuple[torch.Tensor, PrefillPlan]:
+    """Logits [S - cut, vocab] of the follow-up request and the plan that produced them."""
+    spec = ModelSpec.from_config(model.config)
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    s_len = len(ids)
+    if not 0 <= cut < s_len:
+        raise ValueError(f"--cut must be in [0, {s_len}) for a {s_len}-token input, got {cut}")
+    dtype = next(model.parameters()).dtype
+    view = allocate_view(spec, 1, s_len, device, dtype)
+    if cut > 0:
+        prefill_as_request(model, x[:, :cut], view, flags)
+    if not keep_snapshot:
+        drop_snapshot(view)
+    state = CacheState(tokens=s_len, global_hit=cut, snapshot_at=(cut,) if keep_snapshot and cut else ())
+    plan = plan_prefill(state, spec, flags)
+    logits = execute(model, plan, x, view)[0].float()
+    out = torch.full((s_len - cut, logits.shape[-1]), float("nan"))
+    r0, r1 = plan.logits_rows
+    lo = max(r0, cut)
+    out[lo - cut : r1 - cut] = logits[lo - r0 :].cpu()
+    return out, plan

@@ -1,0 +1,161 @@
+"""SWA bounded replay and its exact alternatives: every path against a cold full prefill.
+
+Semantics of architecture reference §13, checked on the V4.1 checklist config (window 8,
+10 layers, decoder after layer 6) at random cut points, odd ones and ones inside the first W
+tokens included, with the KV fake-quantisers off (≤ 1e-5) and on (identical selections are
+not required here; see tests/model for the quantised bounds).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from replaykv.cache.views import allocate_view
+from replaykv.engine.runner import execute
+from replaykv.engine.scenario import drop_snapshot, prefill_as_request, score_after_cut
+from replaykv.model.init import init_weights
+from replaykv.model.presets_v41 import v41_tiny
+from replaykv.model.spec import ModelSpec
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.replay import CacheState, ReplayFlags, plan_prefill
+
+TOL = 1e-5
+S = 64
+W = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepseekV41ForCausalLM:
+    m = init_weights(DeepseekV41ForCausalLM(v41_tiny().replace(kv_quant=False)), seed=5).eval()
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("sinks", ".base")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+def ids_for(seed: int, n: int = S) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def cold(model: DeepseekV41ForCausalLM, ids: list[int], decoder: bool) -> torch.Tensor:
+    """Logits of a cold full prefill (all rows the path computes; others NaN)."""
+    out, _ = score_after_cut(model, ids, 0, ReplayFlags(enable_decoder_swa_bounded_replay=decoder), True)
+    return out
+
+
+def cuts() -> list[int]:
+    rng = random.Random(11)
+    picks = {3, 7, W, W + 1, S - W - 1, S - 2}  # odd, inside the first W, at and after it, ...
+    picks.update(rng.randrange(1, S - 1) for _ in range(2))
+    return sorted(picks)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:
+    both = ~torch.isnan(a) & ~torch.isnan(b)
+    assert bool((torch.isnan(a) == torch.isnan(b)).all()), "the paths computed different rows"
+    return bool(both.any()) and (a[both] - b[both]).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("cut", cuts())
+def test_decoder_replay_off_every_exact_path_equals_cold(model: DeepseekV41ForCausalLM, cut: int) -> None:
+    ids = ids_for(cut)
+    ref = cold(model, ids, decoder=False)[cut:]
+    flags = ReplayFlags(enable_decoder_swa_bounded_replay=False)
+    hit, plan = score_after_cut(model, ids, cut, flags, keep_snapshot=True)
+    assert plan.path == "hit" and close(hit, ref)
+    for strategy in ("exact", "truncate", "full"):
+        f = ReplayFlags(enable_decoder_swa_bounded_replay=False, swa_miss_strategy=strategy)
+        out, plan = score_after_cut(model, ids, cut, f, keep_snapshot=False)
+        assert plan.path == strategy
+        assert close(out, ref), strategy
+
+
+@pytest.mark.parametrize("cut", cuts())
+def test_decoder_replay_on_exact_equals_hit(model: DeepseekV41ForCausalLM, cut: int) -> None:
+    ids = ids_for(100 + cut)
+    on = ReplayFlags(enable_decoder_swa_bounded_replay=True)
+    hit, _ = score_after_cut(model, ids, cut, on, keep_snapshot=True)
+    exact, plan = score_after_cut(
+        model, ids, cut, ReplayFlags(enable_decoder_swa_bounded_replay=True, swa_miss_strategy="exact"), False
+    )
+    assert plan.path == "exact" and close(exact, hit)
+    if S - cut >= W:  # enough new rows: the decoder never reads the snapshot -> equals cold
+        assert close(hit, cold(model, ids, decoder=True)[cut:])
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+@pytest.mark.parametrize("cut", [5, 17, 33, 50])
+def test_bounded_with_span_widened_to_the_prefix_equals_cold(
+    model: DeepseekV41ForCausalLM, cut: int, decoder: bool
+) -> None:
+    ids = ids_for(200 + cut)
+    flags = ReplayFlags(enable_decoder_swa_bounded_replay=decoder, swa_miss_strategy="bounded", replay_span=S)
+    out, plan = score_after_cut(model, ids, cut, flags, keep_snapshot=False)
+    assert plan.path == "bounded" and plan.segments[0].tokens[0] == 0
+    assert close(out, cold(model, ids, decoder)[cut:])
+
+
+def test_bounded_reads_the_prefix_only_through_global_kv(model: DeepseekV41ForCausalLM) -> None:
+    """Change tokens before the replay start while keeping the cached global KV of the original:
+    bounded replay cannot tell, exact replay can."""
+    cut = 41
+    s = cut - W
+    a = ids_for(300)
+    b = list(a)
+    for i in range(s):
+        b[i] = (a[i] + 1 + i) % 256
+    spec = ModelSpec.from_config(model.config)
+    results = {}
+    for strategy in ("bounded", "exact"):
+        flags = ReplayFlags(enable_decoder_swa_bounded_replay=False, swa_miss_strategy=strategy)
+        for name, follow_up in (("a", a), ("b", b)):
+            view = allocate_view(spec, 1, S)
+            prefill_as_request(model, torch.tensor([a[:cut]]), view, flags)  # global KV of `a`
+            drop_snapshot(view)
+            plan = plan_prefill(CacheState(tokens=S, global_hit=cut), spec, flags)
+            results[strategy, name] = execute(model, plan, torch.tensor([follow_up]), view)
+    assert torch.equal(results["bounded", "a"], results["bounded", "b"])
+    assert not torch.allclose(results["exact", "a"], results["exact", "b"], atol=1e-4)
+
+
+def test_bounded_is_an_approximation(model: DeepseekV41ForCausalLM) -> None:
+    """With the normal span, bounded replay differs from cold (the truncated windows)."""
+    ids = ids_for(400)
+    cut = 40
+    out, _ = score_after_cut(model, ids, cut, ReplayFlags(enable_decoder_swa_bounded_replay=False), False)
+    ref = cold(model, ids, decoder=False)[cut:]
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("n", [1, 5, W])
+def test_decoder_replay_leaves_short_prompts_unchanged(model: DeepseekV41ForCausalLM, n: int) -> None:
+    ids = ids_for(500 + n, n)
+    assert close(cold(model, ids, decoder=True), cold(model, ids, decoder=False))
+
+
+def test_decoder_replay_off_is_a_plain_forward(model: DeepseekV41ForCausalLM) -> None:
+    ids = ids_for(600)
+    view = allocate_view(ModelSpec.from_config(model.config), 1, S)
+    with torch.inference_mode():
+        plain = model(torch.tensor([ids]), view)[0]
+    assert close(cold(model, ids, decoder=False), plain)
+
+
+def test_plans_account_their_work() -> None:
+    spec = ModelSpec.from_config(v41_tiny())
+    n = len(spec.layers)
+    dec = spec.decoder_cut + 1  # type: ignore[operator]
+    cold_plan = plan_prefill(CacheState(tokens=100), spec, ReplayFlags())
+    assert cold_plan.work == dec * 100 + (n - dec) * W
+    bounded = plan_prefill(CacheState(tokens=100, global_hit=60), spec, ReplayFlags())
+    assert bounded.replayed_tokens == W and bounded.work == dec * (100 - 52) + (n - dec) * W
+    exact = plan_prefill(CacheState(tokens=100, global_hit=60), spec, ReplayFlags(swa_miss_strategy="exact"))
+    assert exact.replayed_tokens > bounded.replayed_tokens and exact.work > bounded.work
+    assert "floor" in bounded.describe()
