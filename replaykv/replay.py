@@ -252,3 +252,45 @@ def _exact_rebuild(spec: ModelSpec, cut: int, w: int, dec: bool, decoder_floor: 
     if dec and split < n:
         segs.append(Segment((split, n), (floor, cut), floor, False, "rebuild"))
     return segs
+
+
+class ReplayOptionError(ValueError):
+    """A request or engine option that replay cannot honour; the message names the flag."""
+
+
+def check_engine_options(flags: ReplayFlags, speculative_decoding: bool = False) -> None:
+    """Start-up guard: combinations the replay paths cannot serve correctly."""
+    if speculative_decoding and flags.enable_encoder_swa_bounded_replay:
+        raise ReplayOptionError(
+            "speculative decoding cannot be combined with --enable-encoder-swa-bounded-replay: draft "
+            "tokens would read window state that bounded replay only approximates; turn one of them off"
+        )
+
+
+def check_request_options(
+    flags: ReplayFlags,
+    prompt_logprobs: bool = False,
+    prompt_hidden_states: bool = False,
+    fallback: bool = False,
+) -> ReplayFlags:
+    """Per-request guard. Decoder replay computes the decoder only for the last W prompt rows,
+    so prompt logprobs / prompt hidden states need the full path: refused with an error naming
+    the flag, or, when the request asks for it (`fallback`), served with decoder replay off."""
+    wanted = [
+        name
+        for name, on in (("prompt logprobs", prompt_logprobs), ("prompt hidden states", prompt_hidden_states))
+        if on
+    ]
+    if not wanted or not flags.enable_decoder_swa_bounded_replay:
+        return flags
+    if fallback:
+        return ReplayFlags(
+            enable_encoder_swa_bounded_replay=flags.enable_encoder_swa_bounded_replay,
+            enable_decoder_swa_bounded_replay=False,
+            swa_miss_strategy=flags.swa_miss_strategy,
+            replay_span=flags.replay_span,
+        )
+    raise ReplayOptionError(
+        f"{' and '.join(wanted)} cannot be returned with --enable-decoder-swa-bounded-replay (the decoder "
+        "runs only the last window of the prompt); disable it or ask for the full-path fallback"
+    )

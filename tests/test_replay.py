@@ -159,3 +159,19 @@ def test_plans_account_their_work() -> None:
     exact = plan_prefill(CacheState(tokens=100, global_hit=60), spec, ReplayFlags(swa_miss_strategy="exact"))
     assert exact.replayed_tokens > bounded.replayed_tokens and exact.work > bounded.work
     assert "floor" in bounded.describe()
+
+
+def test_option_guards_name_the_flag() -> None:
+    from replaykv.replay import ReplayOptionError, check_engine_options, check_request_options
+
+    on = ReplayFlags()
+    with pytest.raises(ReplayOptionError, match="enable-decoder-swa-bounded-replay"):
+        check_request_options(on, prompt_logprobs=True)
+    fallback = check_request_options(on, prompt_hidden_states=True, fallback=True)
+    assert not fallback.enable_decoder_swa_bounded_replay and fallback.enable_encoder_swa_bounded_replay
+    assert check_request_options(ReplayFlags(enable_decoder_swa_bounded_replay=False), prompt_logprobs=True)
+    with pytest.raises(ReplayOptionError, match="enable-encoder-swa-bounded-replay"):
+        check_engine_options(on, speculative_decoding=True)
+    check_engine_options(ReplayFlags(enable_encoder_swa_bounded_replay=False), speculative_decoding=True)
+    with pytest.raises(ValueError, match="swa_miss_strategy"):
+        ReplayFlags(swa_miss_strategy="approximate")

@@ -119,15 +119,16 @@ class DevicePool:
             for p, times in Counter(pages).items():
                 self._check_page(p)
                 if self._ref[p] < times:
-                    raise ValueError(f"page {p} has {self._ref[p]} references, {times} released; double free?")
-            # Later pages of a prefix are evicted first: queue them before the earlier ones.
+                    raise ValueError(
+                        f"page {p} has {self._ref[p]} references, {times} released; double free?"
+                    )
+            # Later pages of a prefix are evicted first: they join the LRU before the earlier ones.
             for p in reversed(pages):
                 self._ref[p] -= 1
                 if self._ref[p]:
                     continue
                 if p in self._key:
-                    self._lru[p] = None
-                    self._lru.move_to_end(p, last=False)
+                    self._lru[p] = None  # most recent, but behind the later pages of its prefix
                 else:
                     self._payload.pop(p, None)
                     self._free.append(p)
@@ -231,14 +232,16 @@ class DevicePool:
     def reserve_window(self, owner: Hashable, nbytes: int | None = None) -> bool:
         """Charge ``owner``'s window rings (default: the layout's largest snapshot) as pages.
 
-        ``False`` (nothing charged) when the budget cannot hold them; re-reserving replaces.
+        ``False`` when the budget cannot hold them (an earlier reservation of ``owner`` is then
+        kept); re-reserving replaces the earlier reservation.
         """
         size = self.layout.max_snapshot_bytes if nbytes is None else nbytes
         with self._lock:
-            self.release_window(owner)
             need = self.window_pages(size)
-            if not self.can_allocate(need):
+            old = self._windows.get(owner)
+            if need > self._evictable() + (len(old[0]) if old is not None else 0):
                 return False
+            self.release_window(owner)
             pages = self.allocate(need)
             self._windows[owner] = (pages, size)
             self.window_bytes.inc(size)
@@ -309,4 +312,6 @@ class DevicePool:
             if self.metrics.bytes_resident.value != resident:
                 raise AssertionError(f"bytes_resident {self.metrics.bytes_resident.value} != {resident}")
             if self.metrics.entries.value != len(self._key):
-                raise AssertionError(f"entries gauge {self.metrics.entries.value} != {len(self._key)} keyed pages")
+                raise AssertionError(
+                    f"entries gauge {self.metrics.entries.value} != {len(self._key)} keyed pages"
+                )

@@ -47,7 +47,6 @@ its carry bytes never exceed ``KVLedger.compressor_tail_bytes()``.
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
 import zlib
@@ -100,12 +99,24 @@ _FLAG_TAIL = 1
 
 # Section kinds.
 ENTRIES, INDEX_KEYS, CARRY_KV, CARRY_GATE, INDEX_CARRY_KV, INDEX_CARRY_GATE, WINDOW = range(7)
-_KIND_NAMES = ("entries", "index_keys", "carry_kv", "carry_gate", "index_carry_kv", "index_carry_gate", "window")
+_KIND_NAMES = (
+    "entries",
+    "index_keys",
+    "carry_kv",
+    "carry_gate",
+    "index_carry_kv",
+    "index_carry_gate",
+    "window",
+)
 
 # Section encodings: raw dtypes, then the packed layouts of model/quant.py.
 RAW_F32, RAW_BF16, RAW_F16 = 0, 1, 2
 FP4_ENTRY, MXFP4_INDEX, FP8_WINDOW = 16, 17, 18
-_RAW_DTYPES: dict[int, torch.dtype] = {RAW_F32: torch.float32, RAW_BF16: torch.bfloat16, RAW_F16: torch.float16}
+_RAW_DTYPES: dict[int, torch.dtype] = {
+    RAW_F32: torch.float32,
+    RAW_BF16: torch.bfloat16,
+    RAW_F16: torch.float16,
+}
 _RAW_CODES = {dtype: code for code, dtype in _RAW_DTYPES.items()}
 _PACKED: dict[int, KVEntryLayout] = {
     FP4_ENTRY: FP4_COMPRESSED_ENTRY,
@@ -166,10 +177,18 @@ class CacheLayout:
         raw = str(self.dtype).removeprefix("torch.")
         carry = "carry_float32"
         if self.packed:
-            return ("entry_fp4_e2m1_e4m3", "index_mxfp4_e2m1_ue8m0", "window_fp8_e4m3_ue8m0", f"raw_{raw}", carry)
+            return (
+                "entry_fp4_e2m1_e4m3",
+                "index_mxfp4_e2m1_ue8m0",
+                "window_fp8_e4m3_ue8m0",
+                f"raw_{raw}",
+                carry,
+            )
         return (f"raw_{raw}", carry)
 
-    def namespace(self, model_config_hash: str, weights_digest: str, tenant_salt: bytes | str = b"") -> KeyNamespace:
+    def namespace(
+        self, model_config_hash: str, weights_digest: str, tenant_salt: bytes | str = b""
+    ) -> KeyNamespace:
         """A :class:`KeyNamespace` with this layout's version, dtypes, schedule and chunk size."""
         return KeyNamespace(
             model_config_hash=model_config_hash,
@@ -272,7 +291,7 @@ class CacheLayout:
     @property
     def max_snapshot_bytes(self) -> int:
         """Largest snapshot data size over every ``end`` (the per-request window state)."""
-        period = math.lcm(self.spec.group_alignment, 2)
+        period = self.spec.group_alignment
         w = max((ls.window for ls in self.spec.layers), default=0)
         base = w + 2 * period
         return max(self.snapshot_bytes(base + k) for k in range(period))
@@ -527,7 +546,9 @@ def _extract_carry(layout: CacheLayout, view: CacheView, row: int, end: int) -> 
     return tuple(out)
 
 
-def _extract_groups(layout: CacheLayout, view: CacheView, row: int, start: int, end: int) -> tuple[SourceGroups, ...]:
+def _extract_groups(
+    layout: CacheLayout, view: CacheView, row: int, start: int, end: int
+) -> tuple[SourceGroups, ...]:
     out = []
     for s in layout.spec.sources:
         lv = view.layers[s]
@@ -571,8 +592,6 @@ def extract_tail(
     end = _row_position(view, row)
     c = layout.chunk_size
     start = end // c * c
-    if end - start == c:  # cannot happen (start = ⌊H/C⌋·C), kept as a guard for the flag
-        raise AssertionError("a tail never spans a whole chunk")
     return GlobalChunk(
         start,
         end,
@@ -665,7 +684,11 @@ def _check_2d(t: torch.Tensor, rows: int, dim: int, what: str) -> None:
 
 
 def _check_carry(layout: CacheLayout, carry: tuple[CarryRows, ...], end: int) -> None:
-    want = [s for s in layout.spec.sources if layout.spec.layers[s].carry_ring or layout.spec.layers[s].index_carry_ring]
+    want = [
+        s
+        for s in layout.spec.sources
+        if layout.spec.layers[s].carry_ring or layout.spec.layers[s].index_carry_ring
+    ]
     if [c.layer for c in carry] != want:
         raise LayoutError("bad_carry", f"carry for layers {[c.layer for c in carry]}, expected {want}")
     for cr in carry:
@@ -692,7 +715,9 @@ def _check_chunk_shapes(layout: CacheLayout, chunk: GlobalChunk) -> None:
         raise LayoutError("wrong_range", f"[{chunk.start}, {chunk.end}) is not inside one chunk of {c}")
     spec = layout.spec
     if [sg.layer for sg in chunk.sources] != list(spec.sources):
-        raise LayoutError("bad_section", f"sources {[sg.layer for sg in chunk.sources]}, expected {spec.sources}")
+        raise LayoutError(
+            "bad_section", f"sources {[sg.layer for sg in chunk.sources]}, expected {spec.sources}"
+        )
     for sg in chunk.sources:
         ls = spec.layers[sg.layer]
         g0, g1 = chunk.start // ls.ratio, chunk.end // ls.ratio
@@ -714,7 +739,9 @@ def _check_chunk_shapes(layout: CacheLayout, chunk: GlobalChunk) -> None:
 def _check_snapshot_shapes(layout: CacheLayout, snap: WindowSnapshot) -> None:
     spec = layout.spec
     if len(snap.window) != len(spec.layers):
-        raise LayoutError("missing_section", f"{len(snap.window)} window sections for {len(spec.layers)} layers")
+        raise LayoutError(
+            "missing_section", f"{len(snap.window)} window sections for {len(spec.layers)} layers"
+        )
     for i, (ls, w) in enumerate(zip(spec.layers, snap.window, strict=True)):
         _check_2d(w, min(snap.end, ls.window), ls.head_dim, f"layer {i} window")
     _check_carry(layout, snap.carry, snap.end)
@@ -837,14 +864,18 @@ def _decode(
     table_end = CHUNK_HEADER.size + n_sections * SECTION.size
     if view.nbytes != table_end + data_len:
         raise LayoutError("bad_length", f"{view.nbytes} bytes, header says {table_end + data_len}")
-    check = zlib.crc32(view[table_end:], zlib.crc32(view[CHUNK_HEADER.size : table_end], zlib.crc32(view[:_CRC_OFFSET])))
+    check = zlib.crc32(
+        view[table_end:], zlib.crc32(view[CHUNK_HEADER.size : table_end], zlib.crc32(view[:_CRC_OFFSET]))
+    )
     if check != crc:
         raise LayoutError("bad_crc")
     rows_out: list[tuple[int, int, int, torch.Tensor]] = []
     offset = table_end
     spec = layout.spec
     for i in range(n_sections):
-        layer, kind, encoding, rows, dim, first, nbytes = SECTION.unpack_from(view, CHUNK_HEADER.size + i * SECTION.size)
+        layer, kind, encoding, rows, dim, first, nbytes = SECTION.unpack_from(
+            view, CHUNK_HEADER.size + i * SECTION.size
+        )
         if layer >= len(spec.layers) or kind >= len(_KIND_NAMES):
             raise LayoutError("bad_section", f"section {i}: layer {layer} kind {kind}")
         if encoding in _PACKED and _PACKED_FOR_KIND.get(kind) != encoding:
@@ -855,8 +886,10 @@ def _decode(
             raise LayoutError("bad_section", f"section {i}: {exc}") from None
         if nbytes != expected or offset + nbytes > view.nbytes:
             raise LayoutError("bad_section", f"section {i}: {nbytes} bytes for {rows} x {dim}")
-        raw = torch.frombuffer(bytearray(view[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else (
-            torch.zeros(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(bytearray(view[offset : offset + nbytes]), dtype=torch.uint8)
+            if nbytes
+            else (torch.zeros(0, dtype=torch.uint8))
         )
         offset += nbytes
         if encoding in _PACKED:

@@ -76,9 +76,7 @@ def _gather(pieces: list[_Piece], layer: int, start: int, end: int) -> tuple[Res
     return joined, _join_selections([sel for _, sel in parts], rows, joined.input_ids)
 
 
-def execute(
-    model: SplitModel, plan: PrefillPlan, input_ids: torch.Tensor, view: CacheView
-) -> torch.Tensor:
+def execute(model: SplitModel, plan: PrefillPlan, input_ids: torch.Tensor, view: CacheView) -> torch.Tensor:
     """Run `plan` for the request `input_ids` [1, S] on `view` (already holding the cached global
     KV, and the snapshot when the plan restores one). Returns float32 logits [1, R, vocab] of the
     plan's logits rows; leaves the view's position at S with no window floor."""

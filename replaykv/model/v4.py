@@ -16,7 +16,7 @@ from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, hc_collapse, hc_expand
 from replaykv.model.rope import inv_freq
-from replaykv.model.step import Residual, RopeTables, Selection, Step
+from replaykv.model.step import Residual, RopeTables, Selection, Step, flush_denormals
 
 
 class DecoderLayer(nn.Module):
@@ -116,8 +116,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self, state: Residual, layers: range, step: Step, cache: CacheView, selection: Selection | None = None
     ) -> Residual:
         streams = state.streams
-        for i in layers:
-            streams = self.model.layers[i](streams, state.input_ids, step, cache.layers[i])
+        with flush_denormals():
+            for i in layers:
+                streams = self.model.layers[i](streams, state.input_ids, step, cache.layers[i])
         return Residual(streams, state.pre_mix, state.input_ids)
 
     def head(self, state: Residual) -> torch.Tensor:
@@ -126,7 +127,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, vocab] ("all") or [B, 1, vocab] ("last"), float32."""
-        hidden = self.model(input_ids, cache)
+        with flush_denormals():
+            hidden = self.model(input_ids, cache)
         if logits_rows == "last":
             hidden = hidden[:, -1:]
         elif logits_rows == "none":

@@ -36,7 +36,7 @@ from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.layers import HyperConnection, MoEV41, RMSNorm, cast, hc_collapse, hc_expand
 from replaykv.model.quant import fp4_entry_fake_quant, fp8_window_fake_quant, mxfp4_index_fake_quant
 from replaykv.model.rope import apply_rope, inv_freq
-from replaykv.model.step import Residual, RopeTables, Selection, Step
+from replaykv.model.step import Residual, RopeTables, Selection, Step, flush_denormals
 
 
 class IndexerV41(nn.Module):
@@ -332,8 +332,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     ) -> Residual:
         """Run layers [a, b) over the rows of `step` (positions and window floors included)."""
         selection = selection if selection is not None else Selection()
-        for i in layers:
-            state = self.model.layers[i](state, step, cache.layers[i], selection)
+        with flush_denormals():
+            for i in layers:
+                state = self.model.layers[i](state, step, cache.layers[i], selection)
         return state
 
     def head(self, state: Residual) -> torch.Tensor:
