@@ -1,0 +1,160 @@
+"""The engine's public API: requests, sampling, results and the calls a server (or a script) makes.
+
+The server depends only on this module; the engine implements it. Not for: scheduling logic
+(see :mod:`replaykv.engine.engine`).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from replaykv.replay import ReplayFlags
+
+
+class EngineError(Exception):
+    """Base of the errors the engine reports to callers (the server maps them to HTTP codes)."""
+
+    status = 500
+
+
+class InvalidRequest(EngineError):
+    """The request cannot be served as asked (too long, bad token ids, bad options): 400."""
+
+    status = 400
+
+
+class QueueFull(EngineError):
+    """Admission control refused the request: 429 with Retry-After seconds."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 = greedy. seed makes sampling reproducible per request."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request. `salt` is the tenant salt the server derived from the API key (a
+    client never chooses it). `replay` overrides the engine's replay switches for experiments."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    salt: bytes = b""
+    request_id: str = ""
+    replay: ReplayFlags | None = None
+    prompt_logprobs: bool = False
+    full_path_fallback: bool = False
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """What the cache and replay did for a request (returned with the result, exported as metrics)."""
+
+    path: str  # cold / hit / bounded / exact / truncate / full
+    prompt_tokens: int
+    cached_tokens: int  # global-KV hit tokens that were not recomputed
+    replayed_tokens: int
+    prefill_work: int  # layer×tokens actually run
+    full_prefill_work: int  # layer×tokens of a cold full prefill of the same prompt
+    window_floors: tuple[int, ...]
+    snapshot_hit: bool
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a streamed result: new token ids (and their text), or the final summary."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    accounting: Accounting | None = None
+    error: str | None = None
+
+
+@dataclass
+class Result:
+    """A finished request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    accounting: Accounting | None = None
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+
+class EngineAPI(abc.ABC):
+    """What the server calls. Thread-safe; `submit` never blocks on the model."""
+
+    @abc.abstractmethod
+    def submit(self, request: Request) -> RequestHandle:
+        """Admit a request (raises QueueFull / InvalidRequest) and return its handle."""
+
+    def generate(self, request: Request) -> Result:
+        """Submit and wait for the whole result."""
+        return self.submit(request).result()
+
+    @abc.abstractmethod
+    def metrics_text(self) -> str:
+        """Prometheus exposition text of every engine and ledger metric."""
+
+    @abc.abstractmethod
+    def cache_stats(self) -> dict[str, Any]:
+        """Per-ledger statistics (admin endpoint)."""
+
+    @abc.abstractmethod
+    def flush_swa_pool(self) -> None:
+        """Drop every window snapshot (the next turns take the miss path)."""
+
+    @abc.abstractmethod
+    def flush_all(self) -> None:
+        """Drop every cached state: device pool, SWA pool and persistent store."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine thread and flush write-back."""
+
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def max_context(self) -> int: ...
+
+
+class RequestHandle(abc.ABC):
+    """A submitted request: stream its deltas, wait for it, or cancel it."""
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[Delta]: ...
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    @abc.abstractmethod
+    def result(self, timeout: float | None = None) -> Result: ...
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Stop generating (a client went away); frees the request's resources."""
