@@ -23,13 +23,22 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
 
+    quant = {"on": True, "off": False}.get(getattr(args, "kv_quant", "config"))
     if getattr(args, "model", None):
-        return load_model(args.model, device=args.device, dtype=args.dtype), False
+        config = None
+        if quant is not None:
+            from replaykv.model.checkpoint import load_config
+
+            config = load_config(args.model).replace(kv_quant=quant)
+        return load_model(args.model, device=args.device, dtype=args.dtype, config=config), False
     from replaykv.model.checkpoint import build_model
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
 
-    model = init_weights(build_model(get_preset(args.preset)), seed=args.seed)
+    preset = get_preset(args.preset)
+    if quant is not None:
+        preset = preset.replace(kv_quant=quant)
+    model = init_weights(build_model(preset), seed=args.seed)
     cast_model(model, parse_dtype(args.dtype))
     return model.to(torch.device(args.device)).eval(), True
 
@@ -108,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         sp.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
         sp.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0 = one shot)")
+        sp.add_argument(
+            "--kv-quant",
+            choices=["config", "on", "off"],
+            default="config",
+            help="KV fake-quantisers (FP8 window, FP4 entries, MXFP4 index keys): as the config says, or forced",
+        )
 
     sp = sub.add_parser("score", help="teacher-forced float32 logits [S, vocab] of a token sequence")
     model_args(sp, need_model=True)

@@ -175,3 +175,33 @@ def test_option_guards_name_the_flag() -> None:
     check_engine_options(ReplayFlags(enable_encoder_swa_bounded_replay=False), speculative_decoding=True)
     with pytest.raises(ValueError, match="swa_miss_strategy"):
         ReplayFlags(swa_miss_strategy="approximate")
+
+
+def test_score_cli_cut_scenarios(model: DeepseekV41ForCausalLM, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`replaykv score --cut H` writes rows H..end-1; exact equals the plain score; decoder replay
+    leaves NaN rows it did not compute."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from replaykv.model.checkpoint import save_pretrained
+
+    save_pretrained(model, tmp_path / "m")
+    ids = ids_for(700)
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+
+    def score(*extra: str) -> np.ndarray:
+        out = tmp_path / f"out{len(extra)}{abs(hash(extra))}.npy"
+        cmd = [sys.executable, "-m", "replaykv", "score", "--model", str(tmp_path / "m"), "--input-ids",
+               str(tmp_path / "ids.json"), "--out", str(out), "--kv-quant", "off", *extra]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        return np.load(out)
+
+    plain = score()
+    exact = score("--cut", "37", "--swa-miss-strategy", "exact")
+    assert exact.shape == (S - 37, plain.shape[1])
+    assert np.abs(exact - plain[37:]).max() <= 1e-4
+    dec = score("--cut", "37", "--swa-miss-strategy", "bounded", "--decoder-replay", "on")
+    assert np.isnan(dec[: S - W - 37]).all() and np.isfinite(dec[S - W - 37 :]).all()
