@@ -41,12 +41,15 @@ __all__ = [
     "KEY_BYTES",
     "TOKEN_DTYPE",
     "KeyNamespace",
+    "PrefixKeyBuilder",
     "TokenIds",
     "chunk_keys",
     "key_from_hex",
     "key_hex",
     "next_chunk_key",
     "prefix_key",
+    "prefix_key_from_parent",
+    "token_array",
 ]
 
 KEY_BYTES = 32
@@ -172,7 +175,12 @@ class KeyNamespace:
         return self._seed.hex()
 
 
-def _as_token_array(tokens: TokenIds) -> np.ndarray:
+def token_array(tokens: TokenIds) -> np.ndarray:
+    """``tokens`` as the contiguous little-endian int64 array that keys hash (validated).
+
+    Raises ``ValueError``/``TypeError`` unless ``tokens`` is a 1-D sequence of integer ids in
+    ``[0, 2**63)``. Callers that hash the same ids several times convert once with this.
+    """
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a 1-D sequence of token ids; got shape {arr.shape}")
@@ -185,6 +193,9 @@ def _as_token_array(tokens: TokenIds) -> np.ndarray:
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
         raise ValueError(f"token ids must be >= 0; got {int(arr.min())}")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
+
+
+_as_token_array = token_array  # the former private name
 
 
 def _check_parent(parent: bytes) -> None:
@@ -202,7 +213,7 @@ def next_chunk_key(parent: bytes, chunk_tokens: TokenIds) -> bytes:
     The caller guarantees the chunk is complete; for a possibly partial tail use :func:`prefix_key`.
     """
     _check_parent(parent)
-    return _chunk_digest(parent, _as_token_array(chunk_tokens).tobytes())
+    return _chunk_digest(parent, token_array(chunk_tokens).tobytes())
 
 
 def _resolve_chunk_size(namespace: KeyNamespace, chunk_size: int | None) -> int:
@@ -223,7 +234,7 @@ def chunk_keys(namespace: KeyNamespace, tokens: TokenIds, chunk_size: int | None
     chunk gets no key here (see :func:`prefix_key`).
     """
     size = _resolve_chunk_size(namespace, chunk_size)
-    arr = _as_token_array(tokens)
+    arr = token_array(tokens)
     keys: list[bytes] = []
     parent = namespace.seed()
     for start in range(0, (arr.size // size) * size, size):
@@ -238,12 +249,66 @@ def prefix_key(namespace: KeyNamespace, tokens: TokenIds) -> bytes:
     Chains the complete chunks as :func:`chunk_keys` does, then hashes the framed partial tail
     under a distinct tag. Used for SWA snapshots taken at turn boundaries.
     """
-    arr = _as_token_array(tokens)
+    arr = token_array(tokens)
     size = namespace.chunk_size
     complete = chunk_keys(namespace, arr[: (arr.size // size) * size])
     parent = complete[-1] if complete else namespace.seed()
-    tail = arr[len(complete) * size :]
-    return hashlib.sha256(_PREFIX_TAG + parent + _frame(tail.tobytes())).digest()
+    return _prefix_digest(parent, arr[len(complete) * size :].tobytes())
+
+
+def _prefix_digest(parent: bytes, tail_bytes: bytes) -> bytes:
+    return hashlib.sha256(_PREFIX_TAG + parent + _frame(tail_bytes)).digest()
+
+
+def prefix_key_from_parent(parent: bytes, tail_tokens: TokenIds) -> bytes:
+    """:func:`prefix_key` from the key of the last complete chunk and the tokens after it.
+
+    ``parent`` is ``chunk_keys(namespace, tokens)[-1]`` (or ``namespace.seed()`` when ``tokens``
+    holds no complete chunk) and ``tail_tokens`` the ids after the last complete chunk (empty at a
+    chunk boundary). Lets a caller that already holds the chunk keys derive prefix keys at many
+    positions without re-hashing the chunks; the caller guarantees ``tail_tokens`` is shorter than
+    a chunk (a longer tail gives a key no other call produces, never a wrong hit).
+    """
+    _check_parent(parent)
+    return _prefix_digest(parent, token_array(tail_tokens).tobytes())
+
+
+class PrefixKeyBuilder:
+    """Chunk and prefix keys of one token sequence under one namespace, each chunk hashed once.
+
+    ``chunk_keys(n)`` equals ``chunk_keys(namespace, tokens[:n])`` and ``prefix_key(n)`` equals
+    ``prefix_key(namespace, tokens[:n])``, for any ``0 <= n <= len(tokens)``; the tokens are
+    validated once and chunk keys are computed on first need and kept. For callers that probe
+    prefix keys at many positions of one request (the cache manager's lookup and write-back).
+    Not thread-safe: one builder per request.
+    """
+
+    def __init__(self, namespace: KeyNamespace, tokens: TokenIds) -> None:
+        self.namespace = namespace
+        self.tokens = token_array(tokens)
+        self.chunk_size = namespace.chunk_size
+        self._keys: list[bytes] = []
+
+    def _extend(self, n: int) -> int:
+        if not 0 <= n <= self.tokens.size:
+            raise ValueError(f"n must be in [0, {self.tokens.size}]; got {n}")
+        size = self.chunk_size
+        want = n // size
+        parent = self._keys[-1] if self._keys else self.namespace.seed()
+        for i in range(len(self._keys), want):
+            parent = _chunk_digest(parent, self.tokens[i * size : (i + 1) * size].tobytes())
+            self._keys.append(parent)
+        return want
+
+    def chunk_keys(self, n: int | None = None) -> list[bytes]:
+        """Keys of the complete chunks in ``tokens[:n]`` (default: all tokens)."""
+        return self._keys[: self._extend(self.tokens.size if n is None else n)]
+
+    def prefix_key(self, n: int) -> bytes:
+        """Key of the exact prefix ``tokens[:n]``."""
+        count = self._extend(n)
+        parent = self._keys[count - 1] if count else self.namespace.seed()
+        return _prefix_digest(parent, self.tokens[count * self.chunk_size : n].tobytes())
 
 
 def key_hex(key: bytes) -> str:

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from replaykv.cache.device_pool import DevicePool
-from replaykv.cache.keys import _PREFIX_TAG, KeyNamespace, TokenIds, _as_token_array, _frame, chunk_keys
+from replaykv.cache.keys import KeyNamespace, PrefixKeyBuilder, TokenIds, prefix_key_from_parent, token_array
 from replaykv.cache.layout import (
     CacheLayout,
     GlobalChunk,
@@ -92,7 +92,7 @@ def snapshot_store_key(prefix: bytes) -> bytes:
 
 def _prefix_key(parent: bytes, tail: np.ndarray) -> bytes:
     """``keys.prefix_key`` computed from the last complete chunk's key (or the seed) and the tail."""
-    return hashlib.sha256(_PREFIX_TAG + parent + _frame(tail.tobytes())).digest()
+    return prefix_key_from_parent(parent, tail)
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ class CacheManager:
 
     def _boundary_prefix_key(self, keys: tuple[bytes, ...], h: int) -> bytes:
         """prefix_key(tokens[:h]) for a chunk-aligned h > 0, from the chunk keys alone."""
-        return _prefix_key(keys[h // self.chunk_size - 1], np.empty(0, dtype="<i8"))
+        return prefix_key_from_parent(keys[h // self.chunk_size - 1], ())
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, tokens: TokenIds, salt: bytes | str, *, max_hit_tokens: int | None = None) -> CachePlan:
@@ -275,12 +275,12 @@ class CacheManager:
 
         ``max_hit_tokens`` caps H (default ``len(tokens) − 1``: the last token is always computed).
         """
-        arr = _as_token_array(tokens)
         ns = self.namespace(salt)
-        n = int(arr.size)
+        builder = PrefixKeyBuilder(ns, tokens)
+        n = int(builder.tokens.size)
         limit = max(0, n - 1 if max_hit_tokens is None else min(n, max_hit_tokens))
         c = self.chunk_size
-        keys = chunk_keys(ns, arr[: limit // c * c])
+        keys = builder.chunk_keys(limit // c * c)
         sources: list[str] = []
         for key in keys:
             if self.device_pool is not None and self.device_pool.contains(key):
@@ -299,14 +299,13 @@ class CacheManager:
                 f"device holds tokens [0, {device_hit}); the store fills [{device_hit}, {store_hit})"
             )
 
-        parent = keys[len(sources) - 1] if sources else ns.seed()
         hit, tail, prefix = store_hit, False, None
         hi = min(limit, store_hit + c - 1)
         if self.store is not None:
             for h in range(hi, store_hit - 1, -1):
                 if h == 0 or (h == store_hit and not self.layout.needs_carry(h)):
                     continue
-                candidate = _prefix_key(parent, arr[store_hit:h])
+                candidate = builder.prefix_key(h)  # chunks [0, store_hit) + tokens [store_hit, h)
                 if self.store.contains(tail_store_key(candidate)):
                     hit, tail, prefix = h, True, candidate
                     break
@@ -555,14 +554,15 @@ class CacheManager:
         """
         if self._closed:
             raise RuntimeError("the cache manager is closed; write-back is off")
-        arr = _as_token_array(tokens)
+        arr = token_array(tokens)
         end = int(view.positions[row])
         if arr.size != end:
             raise ValueError(f"row {row} is at position {end} but {arr.size} tokens were given")
         ns = self.namespace(salt)
         digest = ns.seed()
         now = self._clock()
-        keys = chunk_keys(ns, arr)
+        builder = PrefixKeyBuilder(ns, arr)
+        keys = builder.chunk_keys()
         chunks: list[tuple[bytes, GlobalChunk]] = []
         with self._pending_lock:
             for i, key in enumerate(keys):
@@ -571,8 +571,7 @@ class CacheManager:
                 chunks.append((key, extract_chunk(self.layout, view, row, i, digest, now)))
             tail = snapshot = None
             if at_turn_end and end:
-                parent = keys[-1] if keys else ns.seed()
-                prefix = _prefix_key(parent, arr[len(keys) * self.chunk_size :])
+                prefix = builder.prefix_key(end)
                 needs_tail = end % self.chunk_size or self.layout.needs_carry(end)
                 if self.store is not None and needs_tail and tail_store_key(prefix) not in self._pending:
                     tail = (prefix, extract_tail(self.layout, view, row, digest, now))
@@ -638,12 +637,19 @@ class CacheManager:
 
     def _write(self, job: _WriteJob) -> None:
         meta = EntryMeta.for_namespace(job.namespace)
-        for key, chunk in job.chunks:
-            if self.store is not None:
-                data = chunk.to_bytes(self.layout)
-                if self._put_store(key, data, meta, "chunk"):
+        if self.store is not None and job.chunks:
+            blobs = [(key, chunk.to_bytes(self.layout)) for key, chunk in job.chunks]
+            if len(blobs) > 1:  # one group commit; each chunk is still all-or-nothing on its own
+                results = self.store.put_many(blobs, meta)
+            else:
+                results = [self.store.put(blobs[0][0], blobs[0][1], meta)]
+            for (_, data), ok in zip(blobs, results, strict=True):
+                if ok:
                     self.written["chunks"].inc()
                     self.written["chunk_bytes"].inc(len(data))
+                else:
+                    self.errors.inc("write:store_chunk_failed")
+        for key, chunk in job.chunks:
             self._cache_on_device(key, chunk)
         if job.tail is not None and self.store is not None:
             prefix, tail = job.tail

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -148,8 +149,17 @@ def _zero_fill_payload_tail(raw: bytearray) -> None:
 
 
 def _wrong_version(raw: bytearray) -> None:
-    raw[8:10] = struct.pack("<H", 2)
+    raw[8:10] = struct.pack("<H", store_mod.STORE_FORMAT_VERSION + 1)
     raw[HDR - 4 : HDR] = struct.pack("<I", zlib.crc32(bytes(raw[: HDR - 4])))
+
+
+def _old_version(raw: bytearray) -> None:
+    """Rewrite the entry as format version 1 would have: 132-byte header, no payload CRC-32."""
+    payload = bytes(raw[HDR:])
+    head = bytearray(raw[:128])
+    head[8:10] = struct.pack("<H", 1)
+    head[96:128] = hashlib.sha256(payload).digest()
+    raw[:] = head + struct.pack("<I", zlib.crc32(bytes(head))) + payload
 
 
 def _appended(raw: bytearray) -> None:
@@ -164,6 +174,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[bytearray], None], str]] = {
     "zero_filled": (_zero_fill, "bad_magic"),
     "zero_filled_tail": (_zero_fill_payload_tail, "bad_digest"),
     "wrong_version": (_wrong_version, "wrong_version"),
+    "old_version_1": (_old_version, "wrong_version"),
     "appended": (_appended, "size_mismatch"),
 }
 
@@ -450,3 +461,288 @@ def test_concurrent_puts_gets_deletes(tmp_path: Path) -> None:
     assert not files_under(tmp_path, ".tmp")
     on_disk = {p.name for p in files_under(tmp_path, ".kv")}
     assert on_disk == {f"{key_hex(key)}.kv" for key in store.indexed_keys()}
+
+
+# ---------------------------------------------------------------- put_many (group commit)
+def _batch(ids: list[int], size: int = 3000) -> list[tuple[bytes, bytes]]:
+    return [(k(i), payload_for(i, size)) for i in ids]
+
+
+def test_put_many_round_trip(tmp_path: Path, clock: FakeClock) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB, clock=clock)
+    assert store.put(k(0), b"old version")
+    items: list[tuple[bytes, bytes | bytearray | memoryview]] = [
+        (k(i), payload_for(i, 5000)) for i in range(8)
+    ]
+    items[3] = (k(3), bytearray(payload_for(3, 5000)))
+    items[4] = (k(4), memoryview(payload_for(4, 5000)))
+    assert store.put_many(items, EntryMeta(kv_layout_version=3)) == [True] * 8
+    assert all(store.get(k(i)) == payload_for(i, 5000) for i in range(8))  # k(0) replaced
+    assert store.stats()["puts"] == 9 and store.stats()["bytes_written"] == 8 * 5000 + len(b"old version")
+    assert not files_under(tmp_path, ".tmp")
+    store.check_integrity()
+    assert store.put_many([]) == []
+    reopened = DirectoryStore(tmp_path, 64 * MiB, clock=clock)
+    assert sorted(reopened.indexed_keys()) == sorted(k(i) for i in range(8))
+    assert reopened.verify().ok == 8
+    header = store_mod.EntryHeader.unpack(entry_path(tmp_path, k(5)).read_bytes())
+    assert isinstance(header, store_mod.EntryHeader) and header.kv_layout_version == 3
+    store.close()
+    store.close()  # idempotent; the store stays usable and restarts its threads
+    assert store.put_many(_batch([20, 21])) == [True, True]
+
+
+def test_put_many_rejects_bad_batches(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, MiB)
+    with pytest.raises(ValueError, match="more than once"):
+        store.put_many([(k(1), b"a"), (k(2), b"b"), (k(1), b"c")])
+    with pytest.raises(ValueError, match="32-byte"):
+        store.put_many([(k(1), b"a"), (b"short", b"b")])
+    assert len(store) == 0 and not files_under(tmp_path, "")
+    assert DirectoryStore(tmp_path, MiB, read_only=True).put_many(_batch([1, 2])) == [False, False]
+
+
+def test_put_many_group_commit_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every temp file is fsynced before any rename; every directory is fsynced once, after them."""
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    assert store.put(k(0), b"warm")  # k(0)'s directories are known durable from now on
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        path = _fd_path(fd)
+        with lock:
+            events.append(("fsync_dir" if os.path.isdir(path) else "fsync", path))
+        real_fsync(fd)
+
+    def rename(src: str, dst: str) -> None:
+        with lock:
+            events.append(("rename", os.fspath(src)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    ids = list(range(12))
+    assert store.put_many(_batch(ids)) == [True] * len(ids)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("fsync") == kinds.count("rename") == len(ids)
+    last = {kind: max(i for i, x in enumerate(kinds) if x == kind) for kind in set(kinds)}
+    first = {kind: min(i for i, x in enumerate(kinds) if x == kind) for kind in set(kinds)}
+    assert last["fsync"] < first["rename"] and last["rename"] < first["fsync_dir"]
+    synced = [path for kind, path in events if kind == "fsync_dir"]
+    assert len(synced) == len(set(synced))  # each directory once
+    leaves = {os.path.realpath(entry_path(tmp_path, k(i)).parent) for i in ids}
+    assert leaves <= set(synced)  # every entry's name is durable
+    assert os.path.realpath(tmp_path / "entries") in synced  # new top-level fan-out dirs
+    # A second batch into the same (now known) directories fsyncs only those directories.
+    events.clear()
+    assert store.put_many(_batch(ids, 100)) == [True] * len(ids)
+    assert {path for kind, path in events if kind == "fsync_dir"} == leaves
+
+
+@pytest.mark.parametrize("stage", ["fsync", "fsync_dir", "rename", "write"])
+def test_put_many_failure_halfway_publishes_only_durable_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    old = [(k(i), payload_for(i, 700)) for i in range(10)]
+    assert store.put_many(old) == [True] * 10  # warm every directory; k(2), k(5) get replaced below
+    doomed = {key_hex(k(2)), key_hex(k(5))}
+    ids = list(range(10))
+    if stage == "fsync_dir":  # the directories of the doomed entries; k(2), k(5) share none with others
+        dirs = {os.path.realpath(entry_path(tmp_path, k(i)).parent) for i in (2, 5)}
+        assert all(
+            os.path.realpath(entry_path(tmp_path, k(i)).parent) not in dirs for i in ids if i not in (2, 5)
+        )
+        when: Callable[[str], bool] = lambda p: p in dirs  # noqa: E731
+    else:
+        when = lambda p: any(h in p for h in doomed)  # noqa: E731
+    func = {"fsync": "fsync", "fsync_dir": "fsync", "rename": "rename", "write": "write"}[stage]
+    with monkeypatch.context() as m:
+        hits = inject(m, tmp_path, func, errno.EIO, when)
+        results = store.put_many(_batch(ids, 4000))
+    assert hits
+    assert results == [i not in (2, 5) for i in ids]
+    errors = store.stats()["errors"]
+    assert errors == {f"{stage}:EIO": 2}
+    for i in ids:
+        got = store.get(k(i))
+        if i in (2, 5):  # never the new (non-durable) bytes; the old version only if not yet replaced
+            assert got in ((None, payload_for(i, 700)) if stage in ("fsync", "write", "rename") else (None,))
+        else:
+            assert got == payload_for(i, 4000)
+    assert not files_under(tmp_path, ".tmp")
+    store.check_integrity()
+    reopened = DirectoryStore(tmp_path, 64 * MiB)
+    assert all(reopened.get(k(i)) == payload_for(i, 4000) for i in ids if i not in (2, 5))
+    assert reopened.verify().bad == []
+
+
+def test_put_many_raise_on_error_settles_the_batch_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    bad = key_hex(k(1))
+    inject(monkeypatch, tmp_path, "fsync", errno.EIO, lambda p: bad in p)
+    with pytest.raises(OSError) as info:
+        store.put_many(_batch([0, 1, 2]), raise_on_error=True)
+    assert info.value.errno == errno.EIO
+    assert store.contains(k(0)) and not store.contains(k(1)) and store.contains(k(2))
+    assert store.stats()["puts_failed"] == 1 and not files_under(tmp_path, ".tmp")
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_put_many_write_faults_publish_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    func, err, when, label = FAULTS[fault]
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    assert store.put(k(0), payload_for(0))
+    with monkeypatch.context() as m:
+        inject(m, tmp_path, func, err, when)
+        assert (
+            store.put_many([(k(1), payload_for(1, 100_000)), (k(0), payload_for(0, 7)), (k(3), b"x")])
+            == [False] * 3
+        )
+    assert not store.contains(k(1)) and not store.contains(k(3)) and not files_under(tmp_path, ".tmp")
+    errors = store.stats()["errors"]
+    assert isinstance(errors, dict) and label in errors and sum(errors.values()) == 3
+    assert store.get(k(0)) in (payload_for(0), None)
+    store.check_integrity()
+    assert store.put_many(_batch([1, 3])) == [True, True]
+
+
+def test_put_many_capacity(tmp_path: Path, clock: FakeClock) -> None:
+    entry = HDR + 1000
+    store = DirectoryStore(tmp_path, 3 * entry, clock=clock)
+    assert store.put(k(9), payload_for(9))
+    clock.advance(1)
+    # Room for three: k(9) is evicted for the batch, entries of the batch never evict each other.
+    assert store.put_many(_batch([0, 1, 2, 3], 1000)) == [True, True, True, False]
+    assert store.put_many(_batch([4], 4 * entry)) == [False]
+    assert store.stats()["errors"] == {"capacity:ENOSPC": 1, "too_large": 1}
+    assert sorted(store.indexed_keys()) == sorted([k(0), k(1), k(2)]) and store.stats()["evictions"] == 1
+    store.check_integrity()
+
+
+def test_read_path_checks_the_crc_and_verify_the_sha256(tmp_path: Path) -> None:
+    """A payload whose CRC-32 still matches but whose SHA-256 does not is served by get (the fast
+    check) and reported by verify (the thorough one); any other payload change fails the CRC."""
+    store = DirectoryStore(tmp_path, MiB)
+    assert store.put(k(1), payload_for(1))
+    path = entry_path(tmp_path, k(1))
+    raw = bytearray(path.read_bytes())
+    raw[96:128] = bytes(32)  # a wrong SHA-256, header CRC recomputed
+    raw[HDR - 4 : HDR] = struct.pack("<I", zlib.crc32(bytes(raw[: HDR - 4])))
+    path.write_bytes(bytes(raw))
+    assert store.get(k(1)) == payload_for(1)
+    assert store.verify().bad == [(path.name, "bad_digest")]
+
+
+def test_default_put_many_of_the_contract() -> None:
+    class DictStore(GlobalKVStore):
+        def __init__(self) -> None:
+            self.data: dict[bytes, bytes] = {}
+
+        def get(self, key: bytes) -> bytes | None:
+            return self.data.get(key)
+
+        def put(
+            self, key: bytes, payload: bytes | bytearray | memoryview, meta: EntryMeta | None = None
+        ) -> bool:
+            if len(payload) > 3:
+                return False
+            self.data[key] = bytes(payload)
+            return True
+
+        def contains(self, key: bytes) -> bool:
+            return key in self.data
+
+        def delete(self, key: bytes) -> bool:
+            return self.data.pop(key, None) is not None
+
+        def stats(self) -> dict[str, object]:
+            return {}
+
+        def check_integrity(self) -> None:
+            pass
+
+    store = DictStore()
+    assert store.put_many([(k(1), b"abc"), (k(2), b"toolong"), (k(3), b"")]) == [True, False, True]
+    assert store.get(k(1)) == b"abc" and not store.contains(k(2))
+
+
+_BATCH_WRITER = r"""
+import hashlib, os, sys, time
+from replaykv.cache.store import DirectoryStore
+from tests.cache.test_store_crash import _expected, _key
+
+root, start, stall = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "stall"
+if stall:  # hang in the batch's directory fsyncs: every entry renamed, none acknowledged
+    real_fsync = os.fsync
+    def slow_fsync(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            print("in-dir-fsync", flush=True)
+            time.sleep(60)
+        return real_fsync(fd)
+store = DirectoryStore(root, 1 << 40, io_threads=4)
+if stall:
+    os.fsync = slow_fsync
+print("ready", flush=True)
+i = start
+while True:
+    store.put_many([(_key(j), _expected(j)) for j in range(i, i + 6)])
+    i += 6
+"""
+
+
+def _run_batch_writer(root: Path, start: int, delay_s: float, stall: bool) -> None:
+    from tests.cache.test_store_crash import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BATCH_WRITER, str(root), str(start), "stall" if stall else "go"],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == b"ready"
+        if stall:
+            assert child.stdout.readline().startswith(b"in-dir-fsync")
+        time.sleep(delay_s)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def test_put_many_sigkill_leaves_complete_entries_or_orphans(tmp_path: Path) -> None:
+    from tests.cache.test_store_crash import _check_fresh_store
+
+    _run_batch_writer(tmp_path, 0, 0.0, stall=True)  # killed between the renames and the dir fsyncs
+    store = _check_fresh_store(tmp_path, 100)
+    assert len(store) == 6  # all renamed, none acknowledged: complete (data fsynced before the rename)
+    rng = random.Random(20260518)
+    for r in range(3):
+        _run_batch_writer(tmp_path, start=r * 30, delay_s=rng.uniform(0.05, 0.3), stall=False)
+        store = _check_fresh_store(tmp_path, 100_000)
+    assert len(store) > 0
+
+
+def test_reads_survive_short_preads_and_huge_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    data = payload_for(1, 300_000)
+    assert store.put(k(1), data) and store.put(k(2), payload_for(2, 5000))
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: real_pread(fd, min(n, 4096), off))
+    assert store.get(k(1)) == data
+    monkeypatch.setattr(store_mod, "_PAYLOAD_FIRST_MAX", 1000)  # header first, then the payload
+    assert store.get(k(1)) == data
+    path = entry_path(tmp_path, k(2))
+    raw = bytearray(path.read_bytes())
+    _flip_payload(raw)
+    path.write_bytes(bytes(raw))
+    assert store.get(k(2)) is None and store.stats()["quarantine_reasons"] == {"bad_digest": 1}
+    assert store.verify().bad == []
