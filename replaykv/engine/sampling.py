@@ -1,0 +1,144 @@
+"""Picking the next token and deciding when a request stops.
+
+For: checking :class:`~replaykv.engine.api.SamplingParams` against the model, a per-request
+:class:`Sampler` (greedy, temperature, top-k, top-p, drawn from a torch.Generator seeded from
+``seed`` so a seeded request is reproducible whatever it is batched with) and a per-request
+:class:`OutputStream` that turns sampled ids into streamed text: stop token ids (and eos unless
+``ignore_eos``), stop strings found in the decoded text, ``max_tokens``.
+
+Output conventions: a stop token ends the request and appears neither in the ids nor in the
+text; a stop string ends it with the text cut just before the stop string (the ids keep every
+token sampled up to it). Text that may still turn into a stop string, or a multi-byte
+character still missing bytes, is held back until it can no longer change.
+Not for: running the model or scheduling (see :mod:`replaykv.engine.engine`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Sequence
+
+import torch
+
+from replaykv.engine.api import SamplingParams
+
+
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError with a message naming the field when the values cannot be served."""
+    if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1; got {params.max_tokens!r}")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {params.temperature}")
+    if not (0.0 < params.top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1]; got {params.top_p}")
+    if not isinstance(params.top_k, int) or params.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off); got {params.top_k!r}")
+    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None; got {params.seed!r}")
+    if any(not isinstance(s, str) or not s for s in params.stop):
+        raise ValueError(f"stop strings must be non-empty strings; got {params.stop!r}")
+    bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+
+
+class Sampler:
+    """Draws next tokens for one request from float32 logits [vocab] (on any device)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0 or self.params.top_k == 1
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.greedy:
+            return int(logits.argmax().item())
+        x = logits.detach().float().cpu() / self.params.temperature
+        k = self.params.top_k
+        if 0 < k < x.shape[-1]:
+            kth = torch.topk(x, k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.params.top_p < 1.0:
+            order = torch.argsort(x, descending=True)
+            probs = torch.softmax(x[order], dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass of the better tokens
+            drop = before >= self.params.top_p  # keeps the smallest set reaching top_p (never empty)
+            x[order[drop]] = float("-inf")
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+class OutputStream:
+    """The visible output of one request, built token by token.
+
+    ``push(token)`` returns (ids to emit, text to emit, finish reason or None). ``sampled`` keeps
+    every sampled id (stop tokens included): the model has processed all but the last of them.
+    """
+
+    def __init__(
+        self, params: SamplingParams, decode: Callable[[list[int]], str], eos_ids: Sequence[int]
+    ) -> None:
+        self.params = params
+        self._decode = decode
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(eos_ids)
+        self._stop_ids = frozenset(stop_ids)
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+        self.sampled: list[int] = []
+        self.token_ids: list[int] = []
+        self.text = ""  # emitted so far
+        self.finish_reason: str | None = None
+
+    def push(self, token: int) -> tuple[tuple[int, ...], str, str | None]:
+        if self.finish_reason is not None:
+            raise RuntimeError("the request already finished")
+        self.sampled.append(token)
+        if token in self._stop_ids:
+            return (), self._emit(self._full_text(), final=True), self._finish("stop")
+        self.token_ids.append(token)
+        full = self._full_text()
+        if self.params.stop:
+            cut = self._find_stop(full)
+            if cut is not None:
+                return (token,), self._emit(full[:cut], final=True), self._finish("stop")
+        if len(self.sampled) >= self.params.max_tokens:
+            return (token,), self._emit(full, final=True), self._finish("length")
+        return (token,), self._emit(full, final=False), None
+
+    def _full_text(self) -> str:
+        return self._decode(self.token_ids)
+
+    def _finish(self, reason: str) -> str:
+        self.finish_reason = reason
+        return reason
+
+    def _find_stop(self, full: str) -> int | None:
+        start = max(0, len(self.text) - self._max_stop)
+        hits = [i for i in (full.find(s, start) for s in self.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _emit(self, full: str, final: bool) -> str:
+        end = len(full)
+        if not final:
+            while end > len(self.text) and full[end - 1] == "\ufffd":  # bytes of a character may follow
+                end -= 1
+            end -= self._held_for_stop(full[:end])
+        if end <= len(self.text):
+            return ""
+        piece = full[len(self.text) : end]
+        self.text = full[:end]
+        return piece
+
+    def _held_for_stop(self, text: str) -> int:
+        """Length of the longest suffix of `text` that begins a stop string (it may still become one)."""
+        for n in range(min(self._max_stop - 1, len(text) - len(self.text)), 0, -1):
+            suffix = text[-n:]
+            if any(s.startswith(suffix) for s in self.params.stop):
+                return n
+        return 0
