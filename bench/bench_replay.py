@@ -180,7 +180,8 @@ def main() -> int:
         MARK_BEGIN,
         "",
         f"DeepSeek-V4.1 schedule at reduced widths ({n_params / 1e6:.1f}M parameters, window 128, KV "
-        f"quantisers on), float32, {os.cpu_count()} CPU cores, one process.",
+        f"quantisers on), float32, {torch.get_num_threads()} torch thread(s) on {os.cpu_count()} CPU cores, "
+        "one process.",
         "",
     ]
     if not args.skip_a:
