@@ -3,7 +3,7 @@
 
 serve:
 	scripts/install.sh serve
-	.venv/bin/replaykv generate --preset tiny --prompt "Hello" --max-tokens 16
+	.venv/bin/replaykv serve
 
 test:
 	scripts/test.sh

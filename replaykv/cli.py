@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 _NOT_YET = {
-    "serve": "the OpenAI-compatible server",
     "train": "training the small model",
     "accept": "the acceptance harness",
 }
@@ -157,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _store(a.rest))
 
+    sp = sub.add_parser(
+        "serve", help="the OpenAI-compatible server (see `replaykv serve --help`)", add_help=False
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _serve(a.rest))
+
     for name, what in _NOT_YET.items():
         sp = sub.add_parser(name, help=f"{what} (not implemented yet)")
         sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -170,6 +175,12 @@ def _store(rest: list[str]) -> int:
     return int(store_main(rest))
 
 
+def _serve(rest: list[str]) -> int:
+    from replaykv.server import main as serve_main
+
+    return int(serve_main(rest))
+
+
 def _plan(rest: list[str]) -> int:
     from replaykv.plan.cli import main as plan_main
 
@@ -181,7 +192,7 @@ def _not_yet(name: str, what: str) -> int:
     return 2
 
 
-_PASSTHROUGH = {"plan": _plan, "store": _store}
+_PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

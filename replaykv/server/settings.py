@@ -1,0 +1,374 @@
+"""Every setting of `replaykv serve`, read in one place.
+
+Precedence, lowest first: the defaults below < a config file (``--config FILE`` or
+``REPLAYKV_CONFIG``; YAML, or JSON when the name ends in ``.json``) < ``REPLAYKV_*``
+environment variables < command-line flags. One table (:data:`OPTIONS`) names each setting
+once; its flag is ``--`` + the name with dashes (SGLang's names where SGLang has the option),
+its environment variable ``REPLAYKV_`` + the name in capitals, its config-file key the name
+with underscores or dashes. Booleans take ``--enable-X`` / ``--disable-X`` flags and
+``1/0, true/false, yes/no, on/off`` in the environment.
+
+API keys: ``--api-key KEY=TENANT`` (repeatable; a bare ``KEY`` means tenant ``default``),
+``REPLAYKV_API_KEY="k1=alice,k2=bob"``, or ``api_key: {k1: alice, k2: bob}`` in the file.
+With no key configured the server runs without authentication and every request is tenant
+``default``. A tenant's cache salt is derived here from the tenant *name* (never from anything
+a client sends), so the same tenant hits its own cache across restarts and machines.
+
+Engine options left unset keep the engine's own defaults (:class:`EngineConfig`'s).
+
+Not for: parsing the options of other subcommands, or HTTP (see :mod:`replaykv.server.app`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from replaykv.replay import MISS_STRATEGIES, ReplayFlags
+
+if TYPE_CHECKING:
+    from replaykv.engine.config import EngineConfig
+
+ENV_PREFIX = "REPLAYKV_"
+DEFAULT_TENANT = "default"
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "small"
+"""Where a trained model shipped with the package lives (config.json + safetensors), if any."""
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the flag, variable or file key to change."""
+
+
+def _to_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
+
+
+def _to_int(raw: Any) -> int:
+    if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+        raise ValueError(f"expected an integer, got {raw!r}")
+    return int(raw)
+
+
+def _to_float(raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise ValueError(f"expected a number, got {raw!r}")
+    return float(raw)
+
+
+def _to_str(raw: Any) -> str:
+    if not isinstance(raw, str | int | float) or isinstance(raw, bool):
+        raise ValueError(f"expected a string, got {raw!r}")
+    return str(raw)
+
+
+def _to_keys(raw: Any) -> tuple[tuple[str, str], ...]:
+    """API keys as ``((key, tenant), ...)`` from a mapping, a list of "KEY=TENANT", or "k=t,k2=t2"."""
+    if isinstance(raw, Mapping):
+        items = [(str(k), str(v)) for k, v in raw.items()]
+    else:
+        parts = raw.split(",") if isinstance(raw, str) else list(raw)
+        items = []
+        for part in parts:
+            key, sep, tenant = str(part).strip().partition("=")
+            items.append((key.strip(), tenant.strip() if sep else DEFAULT_TENANT))
+    seen: dict[str, str] = {}
+    for key, tenant in items:
+        if not key or not tenant:
+            raise ValueError(f"an API key entry needs KEY=TENANT with both non-empty, got {key!r}={tenant!r}")
+        if key in seen and seen[key] != tenant:
+            raise ValueError(f"API key {key[:4]}… is mapped to two tenants ({seen[key]!r}, {tenant!r})")
+        seen[key] = tenant
+    return tuple(seen.items())
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its name (attribute, flag, variable and file key), parser, default and help."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    engine: bool = False  # an EngineConfig option (unset = the engine's default)
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def is_bool(self) -> bool:
+        return self.parse is _to_bool
+
+
+# fmt: off
+OPTIONS: tuple[Option, ...] = (
+    Option("host", _to_str, "127.0.0.1", "address to listen on"),
+    Option("port", _to_int, 30000, "port to listen on"),
+    Option("model", _to_str, None, "model directory (config.json + safetensors); default: the bundled model, else --preset"),
+    Option("preset", _to_str, "small", "preset with random weights, used when there is no --model and no bundled model"),
+    Option("served_model_name", _to_str, None, "model name in the API (default: the engine's model name)"),
+    Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable; none = no authentication, tenant 'default')", metavar="KEY=TENANT"),
+    Option("admin_key", _to_str, None, "bearer key of the /admin endpoints (unset = admin endpoints refused)"),
+    Option("log_level", _to_str, "info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")),
+    Option("enable_encoder_swa_bounded_replay", _to_bool, True, "on a window-snapshot miss replay the last W tokens (off: the exact rebuild)"),
+    Option("enable_decoder_swa_bounded_replay", _to_bool, True, "run decoder layers over only the last W prompt tokens"),
+    Option("swa_miss_strategy", _to_str, "bounded", "how a window-snapshot miss is rebuilt", choices=MISS_STRATEGIES),
+    Option("replay_span", _to_int, None, "W of bounded replay in tokens (default: the model's window)"),
+    Option("swa_pool", _to_str, None, "where window snapshots live ('off': nowhere)", choices=("memory", "redis", "off"), engine=True),
+    Option("redis_url", _to_str, None, "Redis URL of --swa-pool redis, e.g. redis://127.0.0.1:6379/0", engine=True),
+    Option("swa_pool_ttl", _to_float, None, "seconds a window snapshot stays in the pool", engine=True),
+    Option("cache_dir", _to_str, None, "directory of the persistent global-KV store ('off': no store)", engine=True),
+    Option("context_length", _to_int, None, "tokens per request, prompt + generated", engine=True),
+    Option("max_running_requests", _to_int, None, "requests decoded together", engine=True),
+    Option("max_queued_requests", _to_int, None, "waiting requests before 429", engine=True),
+    Option("chunked_prefill_size", _to_int, None, "prompt tokens prefilled per engine step", engine=True),
+    Option("dtype", _to_str, None, "weights and caches dtype", choices=("float32", "bfloat16", "float16"), engine=True),
+    Option("device", _to_str, None, "torch device, e.g. cpu or cuda", engine=True),
+    Option("seed", _to_int, None, "seed of a preset's random weights and of sampling", engine=True),
+)
+# fmt: on
+_BY_NAME = {o.name: o for o in OPTIONS}
+ENGINE_FIELDS = {
+    "max_running_requests": "max_batch",
+    "max_queued_requests": "max_queue",
+    "chunked_prefill_size": "prefill_token_budget",
+    "context_length": "max_context",
+    "swa_pool_ttl": "swa_pool_ttl_s",
+    "cache_dir": "store_dir",
+}
+"""Setting name → EngineConfig field, where they differ (settings follow SGLang's flag names)."""
+_REPLAY_OPTIONS = (
+    "enable_encoder_swa_bounded_replay",
+    "enable_decoder_swa_bounded_replay",
+    "swa_miss_strategy",
+    "replay_span",
+)
+
+
+def tenant_salt(tenant: str) -> bytes:
+    """The cache salt of a tenant: SHA-256 over a tag and the framed UTF-8 name (32 bytes).
+
+    Framing by length keeps ("org_1", …) and ("org_12345", …) apart; the tag keeps these salts
+    apart from any other use of the name."""
+    name = tenant.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"replaykv.tenant.v1\0" + len(name).to_bytes(8, "little") + name).digest()
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the HTTP layer needs: where to listen, who may call, and under which model name.
+
+    api_keys: key → tenant. Empty means no authentication: every request is tenant
+    ``default``. admin_key: the bearer key of ``/admin/*`` (None refuses them all).
+    model_dir: where the tokenizer and ``chat_template.json`` come from (None: the built-ins).
+    default_max_tokens: a chat request's max_tokens when it gives none (capped by the context).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    admin_key: str | None = None
+    model_name: str | None = None
+    model_dir: str | None = None
+    log_level: str = "info"
+    max_request_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"port must be in [0, 65535], got {self.port} (--port / REPLAYKV_PORT)")
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise SettingsError("the admin key must differ from every API key (--admin-key / --api-key)")
+        if self.admin_key == "":
+            raise SettingsError("--admin-key must not be empty (leave it unset to refuse /admin)")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every value of `replaykv serve` after merging; `sources` says where each came from."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+    config_file: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The model directory to load: --model, else the bundled model when one is shipped."""
+        if self.values["model"]:
+            return Path(self.values["model"])
+        if (BUNDLED_MODEL_DIR / "config.json").is_file():
+            return BUNDLED_MODEL_DIR
+        return None
+
+    @property
+    def replay_flags(self) -> ReplayFlags:
+        try:
+            return ReplayFlags(**{name: self.values[name] for name in _REPLAY_OPTIONS})
+        except ValueError as e:
+            raise SettingsError(str(e)) from e
+
+    def server(self) -> ServerSettings:
+        return ServerSettings(
+            host=self.values["host"],
+            port=self.values["port"],
+            api_keys=dict(self.values["api_key"]),
+            admin_key=self.values["admin_key"],
+            model_name=self.values["served_model_name"],
+            model_dir=str(self.model_dir) if self.model_dir is not None else None,
+            log_level=self.values["log_level"],
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config: model source, replay switches and every engine option that was set
+        (the others keep EngineConfig's defaults)."""
+        from replaykv.engine.config import EngineConfig
+
+        model_dir = self.model_dir
+        kwargs: dict[str, Any] = {
+            "model_dir": str(model_dir) if model_dir is not None else None,
+            "preset": self.values["preset"],
+            "model_name": self.values["served_model_name"],
+        }
+        kwargs.update({name: self.values[name] for name in _REPLAY_OPTIONS})
+        for opt in OPTIONS:
+            value = self.values[opt.name]
+            if opt.engine and value is not None:
+                if opt.name in ("swa_pool", "cache_dir") and value == "off":
+                    value = None
+                kwargs[ENGINE_FIELDS.get(opt.name, opt.name)] = value
+        try:
+            return EngineConfig(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"engine config: {e}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `replaykv serve` parser. Every default is SUPPRESS so only flags given appear."""
+    p = argparse.ArgumentParser(
+        prog="replaykv serve",
+        description="OpenAI-compatible server. Each flag also reads from the config file and from "
+        "REPLAYKV_<NAME> (precedence: flags > environment > config file > defaults).",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", help="YAML or JSON file of settings (env: REPLAYKV_CONFIG)")
+    for opt in OPTIONS:
+        default = "the engine's" if opt.engine and opt.default is None else opt.default
+        text = f"{opt.help} (env {opt.env}; default {default})"
+        if opt.is_bool:
+            stem = opt.name.removeprefix("enable_").replace("_", "-")
+            p.add_argument(f"--enable-{stem}", dest=opt.name, action="store_const", const=True, help=text)
+            p.add_argument(f"--disable-{stem}", dest=opt.name, action="store_const", const=False)
+        elif opt.name == "api_key":
+            p.add_argument(opt.flag, dest=opt.name, action="append", metavar=opt.metavar, help=text)
+        else:
+            names = [opt.flag, "--model-path"] if opt.name == "model" else [opt.flag]
+            if opt.name == "admin_key":
+                names.append("--admin-api-key")
+            p.add_argument(*names, dest=opt.name, choices=opt.choices, metavar=opt.metavar, help=text)
+    return p
+
+
+def _parse(opt: Option, raw: Any, source: str) -> Any:
+    try:
+        value = opt.parse(raw)
+    except (TypeError, ValueError) as e:
+        raise SettingsError(f"{source}: {e}") from e
+    if opt.choices is not None and value is not None and value not in opt.choices:
+        raise SettingsError(f"{source}: must be one of {list(opt.choices)}, got {value!r}")
+    return value
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SettingsError(f"cannot read config file {path}: {e}") from e
+    try:
+        raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise SettingsError(f"config file {path} does not parse: {e}") from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of setting names to values")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in _BY_NAME:
+            raise SettingsError(f"config file {path}: unknown setting {key!r}; known: {sorted(_BY_NAME)}")
+        out[name] = value
+    return out
+
+
+def load_settings(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> Settings:
+    """Merge defaults < config file < environment < flags. Raises SettingsError naming the source."""
+    env = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(list(argv)))
+    config_file = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG") or None
+    values = {o.name: o.default for o in OPTIONS}
+    sources = dict.fromkeys(values, "default")
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_file:
+        layers.append((f"config file {config_file}", _read_file(config_file)))
+    layers.append(("environment", {o.name: env[o.env] for o in OPTIONS if o.env in env}))
+    layers.append(("command line", args))
+    for where, given in layers:
+        for name, raw in given.items():
+            if raw is None:  # `key:` with no value in a file: keep the default
+                continue
+            opt = _BY_NAME[name]
+            label = {"environment": opt.env, "command line": opt.flag}.get(where, f"{where} key {name!r}")
+            values[name] = _parse(opt, raw, label)
+            sources[name] = label
+    unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG")
+    unknown = [k for k in unknown if k not in {o.env for o in OPTIONS}]
+    warnings = (
+        [f"ignoring unknown environment variables {unknown} (known: {[o.env for o in OPTIONS]})"]
+        if unknown
+        else []
+    )
+    for name in (
+        "max_running_requests",
+        "max_queued_requests",
+        "chunked_prefill_size",
+        "replay_span",
+        "context_length",
+    ):
+        if values[name] is not None and values[name] < 1:
+            raise SettingsError(f"{sources[name]}: {name} must be >= 1, got {values[name]}")
+    if values["swa_pool_ttl"] is not None and not values["swa_pool_ttl"] > 0:
+        raise SettingsError(f"{sources['swa_pool_ttl']}: the TTL must be > 0 seconds")
+    settings = Settings(values, sources, config_file, tuple(warnings))
+    settings.replay_flags  # noqa: B018  (validate the replay switches together)
+    settings.server()  # validate the server part
+    return settings
