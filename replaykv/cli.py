@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 _NOT_YET = {
-    "train": "training the small model",
     "accept": "the acceptance harness",
 }
 
@@ -192,7 +191,13 @@ def _not_yet(name: str, what: str) -> int:
     return 2
 
 
-_PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve}
+def _train(rest: list[str]) -> int:
+    from replaykv.train.cli import main as train_main
+
+    return int(train_main(rest))
+
+
+_PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve, "train": _train}
 
 
 def main(argv: list[str] | None = None) -> int:

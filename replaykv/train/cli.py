@@ -1,0 +1,75 @@
+"""`replaykv train`: train, resume or evaluate a recipe into an output directory.
+
+    replaykv train --recipe small --out models/v41-small
+    replaykv train --recipe small --out models/v41-small --resume          # continue after a stop
+    replaykv train --recipe adapt --out models/v41-small-adapted --init models/v41-small
+    replaykv train --recipe small --out models/v41-small --eval-only       # re-measure, rewrite card
+
+Parsing only; the work is in :mod:`replaykv.train.loop`. Not for: serving the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from replaykv.train.recipes import RECIPES, get_recipe
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replaykv train", description="Train replaykv's small V4.1 model.")
+    p.add_argument("--recipe", choices=sorted(RECIPES), required=True, help="tiny (tests), small, adapt")
+    p.add_argument("--out", required=True, help="output directory (export, card, log, train_state/)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state/state.pt")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--steps", type=int, default=None, help="stop after global step N (resume later)")
+    p.add_argument(
+        "--init", default=None, help="checkpoint to start from (the adapt recipe: the small export)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (memory only)")
+    p.add_argument("--eval-only", action="store_true", help="evaluate OUT's model and rewrite its card")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to OUT)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        print("error: --steps must be a positive step number", file=sys.stderr)
+        return 2
+    import torch
+
+    from replaykv.train.loop import evaluate_only, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    recipe = get_recipe(args.recipe)
+    try:
+        if args.eval_only:
+            evaluate_only(recipe, args.out, args.device, args.init)
+            print(f"wrote {args.out}/metrics.json and MODEL_CARD.md")
+            return 0
+        result = train(
+            recipe,
+            args.out,
+            resume=args.resume,
+            device=args.device,
+            max_steps=args.steps,
+            init=args.init,
+            progress=not args.no_progress,
+            micro_batch=args.micro_batch,
+        )
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rate = result.tokens / result.seconds if result.seconds else 0.0
+    done = "exported" if result.exported else f"stopped at step {result.steps} (continue with --resume)"
+    print(
+        f"{recipe.name}: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s ({rate:,.0f} tokens/s); {done}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""The training loop: AdamW with warmup + cosine, gradient clipping, a fixed seed, a progress bar
+with loss and tokens/s, periodic held-out evaluation, checkpoint + resume, and the final export
+(bf16 safetensors in Hugging Face layout, tokenizer.json, metrics.json and MODEL_CARD.md).
+
+Besides the language-model loss on the recipe's paths, two pieces of DeepSeek's recipe keep the
+sparse machinery alive: the indexer KL (see :class:`replaykv.train.paths.IndexerDistillation`)
+and aux-loss-free expert balancing (:class:`RouterBalance`). Everything random is a function of
+(seed, step), and the optimiser, step, RNG states and router biases are checkpointed, so a
+resumed run continues exactly as an uninterrupted one.
+
+Output directory layout:
+
+    OUT/config.json, model.safetensors, tokenizer.json   the export (the shipped checkpoint)
+    OUT/MODEL_CARD.md, metrics.json, recipe.json         what it is and how it scored
+    OUT/train_log.jsonl                                  one line per logged step / eval
+    OUT/train_state/state.pt                             resumable state (not for shipping)
+
+Not for: the data (see :mod:`replaykv.train.data`) or the forward paths (see
+:mod:`replaykv.train.paths`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from replaykv.model.checkpoint import cast_model, load_model, save_pretrained
+from replaykv.model.init import init_weights
+from replaykv.model.layers import RouterV41
+from replaykv.model.presets_v41 import get_preset_v41
+from replaykv.model.spec import ModelSpec
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.tokenizer import ByteTokenizer
+from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
+from replaykv.train.evaluate import evaluate, render_card
+from replaykv.train.paths import IndexerDistillation, path_losses
+from replaykv.train.recipes import Phase, Recipe
+
+STATE = "train_state/state.pt"
+MAX_EXPORT_BYTES = 40 * 1024 * 1024
+
+
+class RouterBalance:
+    """Aux-loss-free load balancing (DeepSeek-V3): after each optimiser step every router's
+    `e_score_correction_bias` moves by `rate` towards equal expert load (up for experts picked
+    less than average, down for more), from the picks counted in that step's training forwards."""
+
+    def __init__(self, model: nn.Module, rate: float) -> None:
+        self.rate = rate
+        self.counts: dict[RouterV41, torch.Tensor] = {}
+        self._handles = [
+            m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, RouterV41)
+        ]
+
+    def _hook(
+        self, module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        if not torch.is_grad_enabled():
+            return
+        assert isinstance(module, RouterV41)
+        n = module.e_score_correction_bias.shape[0]
+        c = torch.bincount(output[0].reshape(-1), minlength=n).float()
+        self.counts[module] = self.counts.get(module, torch.zeros_like(c)) + c
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for router, c in self.counts.items():
+            router.e_score_correction_bias.add_(self.rate * torch.sign(c.mean() - c))
+        self.counts.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    losses: list[float]
+    out: Path
+    exported: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_model(recipe: Recipe, init: str | Path | None) -> DeepseekV41ForCausalLM:
+    """The recipe's preset with random weights (seeded), or the checkpoint `init` in float32."""
+    if recipe.init_from is not None:
+        if init is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} starts from the {recipe.init_from!r} export; pass --init DIR"
+            )
+        model = load_model(init, dtype="float32")
+        if not isinstance(model, DeepseekV41ForCausalLM):
+            raise ValueError(f"{init} is not a DeepSeek-V4.1 checkpoint")
+        return model.train()
+    return _fresh(recipe, seed=recipe.seed)
+
+
+def _fresh(recipe: Recipe, seed: int | None = None) -> DeepseekV41ForCausalLM:
+    """The recipe's preset, randomly initialised with `seed` (None: left for a state dict)."""
+    model = DeepseekV41ForCausalLM(get_preset_v41(recipe.preset))
+    if seed is not None:
+        torch.manual_seed(seed)
+        init_weights(model, seed=seed)
+    return model.train()
+
+
+def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norms, sinks, biases and mixes are left alone)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": recipe.weight_decay},
+        {"params": other, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+    """Atomically write model, optimiser, RNG states and `meta` (step, timing, recipe)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(), **meta}, tmp)
+    os.replace(tmp, path)
+
+
+def _log(out: Path, record: dict[str, Any]) -> None:
+    with (out / "train_log.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(
+    recipe: Recipe,
+    out: str | Path,
+    resume: bool = False,
+    device: str = "auto",
+    max_steps: int | None = None,
+    init: str | Path | None = None,
+    corpus: dict[str, Corpus] | None = None,
+    progress: bool = True,
+    evaluate_at_end: bool = True,
+    micro_batch: int | None = None,
+) -> TrainResult:
+    """Run (or continue) `recipe` into `out`. `max_steps` stops after that global step (a prefix of
+    the same run: the schedule is the recipe's); the export happens when the recipe completes.
+    `micro_batch` overrides the phases' gradient-accumulation size (memory, not results)."""
+    out = Path(out)
+    state_path = out / STATE
+    if state_path.exists() and not resume:
+        raise FileExistsError(f"{state_path} exists: pass --resume to continue it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    dev = resolve_device(device)
+    corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
+    continuing = resume and state_path.exists()
+    # A resumed run takes its weights from the state, so it needs no --init checkpoint.
+    model = (_fresh(recipe) if continuing else make_model(recipe, init)).to(dev)
+    spec = ModelSpec.from_config(model.config)
+    opt = make_optimizer(model, recipe)
+    step, seconds, tokens = 0, 0.0, 0
+    if continuing:
+        state = torch.load(state_path, map_location=dev, weights_only=False)
+        if state["recipe"] != recipe.name:
+            raise ValueError(f"{state_path} belongs to recipe {state['recipe']!r}, not {recipe.name!r}")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"])
+        step, seconds, tokens = state["step"], state["seconds"], state["tokens"]
+    else:
+        torch.manual_seed(recipe.seed)
+        (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+    sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
+    distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
+    balance = RouterBalance(model, recipe.router_bias_rate)
+    end = recipe.total_steps if max_steps is None else min(max_steps, recipe.total_steps)
+    losses: list[float] = []
+    bar = tqdm(total=end, initial=step, disable=not progress, desc=f"train {recipe.name}", unit="step")
+    try:
+        while step < end:
+            t0 = time.perf_counter()
+            phase = recipe.phase_at(step)
+            batch = sampler.batch(step)
+            lr = recipe.lr_at(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            parts = accumulate_gradients(model, spec, batch, phase, recipe, distill, dev, micro_batch)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
+            opt.step()
+            balance.update()
+            step += 1
+            tokens += batch.tokens
+            dt = time.perf_counter() - t0
+            seconds += dt
+            losses.append(parts["loss"])
+            bar.update(1)
+            bar.set_postfix(loss=f"{parts['loss']:.3f}", tok_s=f"{batch.tokens / dt:,.0f}", lr=f"{lr:.2e}")
+            if step % recipe.log_every == 0 or step == end:
+                record = {"step": step, "phase": phase.name, "lr": lr, **parts, "grad_norm": grad_norm}
+                record.update({"tokens_per_s": batch.tokens / dt, "seconds": seconds, "tokens": tokens})
+                _log(out, record)
+            if recipe.quick_eval is not None and recipe.eval_every and step % recipe.eval_every == 0:
+                quick = evaluate(model, corpus["heldout"], recipe.quick_eval)
+                _log(out, {"step": step, "eval": _summary(quick)})
+                bar.write(f"step {step}: " + json.dumps(_summary(quick)))
+            if step % recipe.checkpoint_every == 0 or step == end:
+                meta = {"step": step, "seconds": seconds, "tokens": tokens, "recipe": recipe.name}
+                save_state(state_path, model, opt, meta)
+    finally:
+        bar.close()
+        distill.remove()
+        balance.remove()
+    exported = False
+    if step >= recipe.total_steps and evaluate_at_end:
+        training = {"steps": step, "tokens": tokens, "seconds": seconds, "device": str(dev)}
+        training.update(
+            {"threads": torch.get_num_threads(), "final_loss": float(np.mean(losses[-20:] or [np.nan]))}
+        )
+        export(model, out, recipe, corpus, training, init)
+        exported = True
+    return TrainResult(step, tokens, seconds, losses, out, exported)
+
+
+def accumulate_gradients(
+    model: DeepseekV41ForCausalLM,
+    spec: ModelSpec,
+    batch: Batch,
+    phase: Phase,
+    recipe: Recipe,
+    distill: IndexerDistillation,
+    device: torch.device,
+    micro_batch: int | None = None,
+) -> dict[str, float]:
+    """Forward and backward of one batch in micro-batches; returns the logged loss parts.
+
+    Each micro-batch's path losses are weighted by its share of the batch's loss targets, so the
+    accumulated gradient is that of the whole batch's mean losses (up to summation order).
+    """
+    size = phase.batch
+    micro = max(1, min(size, micro_batch or phase.micro_batch or size))
+    ids, targets = batch.ids.to(device), batch.targets.to(device)
+    p = batch.prompt_len
+    counts = {"full": targets[:, 1:].sum(), "follow": targets[:, p:].sum()}
+    logged: dict[str, float] = {}
+    n_micro = -(-size // micro)
+    for i0 in range(0, size, micro):
+        rows = slice(i0, min(size, i0 + micro))
+        parts = path_losses(
+            model,
+            spec,
+            ids[rows],
+            targets[rows],
+            p,
+            batch.cut,
+            full=phase.paths.full > 0,
+            follow_up=phase.paths.decoder_replay > 0,
+        )
+        total = torch.zeros((), device=device)
+        for name, value in parts.items():
+            share = (
+                targets[rows, 1:].sum() / counts["full"]
+                if name == "full"
+                else targets[rows, p:].sum() / counts["follow"]
+            )
+            weight = phase.paths.full if name == "full" else phase.paths.decoder_replay
+            total = total + weight * share * value
+            logged[name] = logged.get(name, 0.0) + float(share * value.detach())
+        logged["loss"] = logged.get("loss", 0.0) + float(total.detach())
+        kl = distill.pop()
+        if kl is not None:
+            total = total + recipe.indexer_loss * kl / n_micro
+            logged["indexer_kl"] = logged.get("indexer_kl", 0.0) + float(kl.detach()) / n_micro
+        total.backward()
+    return logged
+
+
+def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    tasks = {t: round(r["full"]["acc"], 3) for t, r in metrics["tasks"].items() if "full" in r}
+    return {"bpb": round(metrics["text"]["bpb"], 4), **tasks}
+
+
+def export(
+    model: nn.Module,
+    out: Path,
+    recipe: Recipe,
+    corpus: dict[str, Corpus],
+    training: dict[str, Any],
+    init: str | Path | None = None,
+) -> dict[str, Any]:
+    """Final evaluation, then the bf16 checkpoint, tokenizer, metrics and model card in `out`.
+
+    With `init` (the base model of an adaptation run) the base is evaluated on the same cases,
+    or its metrics.json reused when it was made with the same evaluation, and the card shows both.
+    """
+    metrics: dict[str, dict[str, Any]] = {}
+    spec = recipe.final_eval
+    if init is not None and spec is not None:
+        base_file = Path(init) / "metrics.json"
+        base = json.loads(base_file.read_text()) if base_file.exists() else None
+        same = base is not None and base.get("spec_digest") == spec.digest()
+        if not (same and base is not None and base.get("heldout") == corpus["heldout"].info.fingerprint):
+            base_model = load_model(init, dtype="float32").to(next(model.parameters()).device)
+            base = evaluate(base_model, corpus["heldout"], spec)
+        metrics["base"] = base
+    if spec is not None:
+        metrics["adapted" if init is not None else "base"] = evaluate(model, corpus["heldout"], spec)
+    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
+    save_pretrained(shipped, out)  # type: ignore[arg-type]
+    ByteTokenizer().save(out)
+    size = (out / "model.safetensors").stat().st_size
+    if size > MAX_EXPORT_BYTES:
+        print(f"warning: {out / 'model.safetensors'} is {size / 2**20:.1f} MiB, over the 40 MiB budget")
+    own = metrics.get("adapted", metrics.get("base"))
+    (out / "metrics.json").write_text(json.dumps({**(own or {}), "training": training}, indent=2) + "\n")
+    if metrics:
+        reproduce = f"replaykv train --recipe {recipe.name} --out {out.name}"
+        if init is not None:
+            reproduce += f" --init {Path(init).name}"
+        title = f"replaykv {recipe.preset} ({recipe.name})"
+        card = render_card(title, model.config, recipe, corpus["train"].info, training, metrics, reproduce)
+        (out / "MODEL_CARD.md").write_text(card)
+    return metrics
+
+
+def evaluate_only(
+    recipe: Recipe,
+    out: str | Path,
+    device: str = "auto",
+    init: str | Path | None = None,
+    corpus: dict[str, Corpus] | None = None,
+) -> dict[str, Any]:
+    """Re-evaluate the export in `out` (or its training state when there is no export yet) and
+    rewrite metrics.json and MODEL_CARD.md."""
+    out = Path(out)
+    dev = resolve_device(device)
+    corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
+    state: dict[str, Any] = {}
+    if (out / "model.safetensors").exists():
+        model = load_model(out, dtype="float32").to(dev)
+    elif (out / STATE).exists():
+        state = torch.load(out / STATE, map_location=dev, weights_only=False)
+        model = _fresh(recipe).to(dev)
+        model.load_state_dict(state["model"])
+    else:
+        raise FileNotFoundError(f"{out} holds neither an export nor {STATE}")
+    previous = (
+        json.loads((out / "metrics.json").read_text()).get("training", {})
+        if (out / "metrics.json").exists()
+        else {}
+    )
+    training = previous or {k: state.get(k) for k in ("step", "tokens", "seconds")}
+    training.setdefault("steps", state.get("step"))
+    return export(model, out, recipe, corpus, training, init)

@@ -1,0 +1,268 @@
+"""Training recipes as frozen dataclasses: `tiny` (seconds, for tests), `small` (the shipped base
+model) and `adapt` (the replay-adaptation phase that starts from `small`'s export).
+
+A recipe is a list of phases (data shape, mixture, which forward paths carry loss) under one
+learning-rate schedule (linear warmup, cosine to `min_lr` over all phases), plus the optimiser,
+the auxiliary losses, and the held-out evaluation the model card reports. Everything that
+changes the numbers lives here, so `replaykv train --recipe small` is the whole specification.
+Not for: running anything (see :mod:`replaykv.train.loop`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Sampling weights of the row kinds (normalised when sampled) and, for text rows, the share
+    of prose (docstrings) versus code."""
+
+    text: float = 0.45
+    passkey: float = 0.15
+    multihop: float = 0.12
+    chain: float = 0.10
+    extract: float = 0.09
+    tool: float = 0.09
+    prose_fraction: float = 0.3
+
+    def __post_init__(self) -> None:
+        if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
+            raise ValueError("mixture weights must be non-negative and not all zero")
+        if not 0 <= self.prose_fraction <= 1:
+            raise ValueError("prose_fraction must be in [0, 1]")
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {
+            "text": self.text,
+            "passkey": self.passkey,
+            "multihop": self.multihop,
+            "chain": self.chain,
+            "extract": self.extract,
+            "tool": self.tool,
+        }
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Which forward paths carry loss in a step (architecture §6, §13).
+
+    full: weight of the full path (every layer over every row). decoder_replay: weight of the
+    follow-up under decoder replay (decoder layers over the last W prompt rows and the answer).
+    bounded_prob: probability that a step's follow-up also uses encoder bounded replay at a
+    random cut (snapshot missing; the global KV of [0, cut) from the full forward).
+    boundary_prob: probability that a task row puts its evidence just before the replay boundary
+    s = cut - W (only in steps with a cut).
+    """
+
+    full: float = 1.0
+    decoder_replay: float = 0.0
+    bounded_prob: float = 0.0
+    boundary_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.full < 0 or self.decoder_replay < 0 or self.full + self.decoder_replay <= 0:
+            raise ValueError("path weights must be non-negative and not both zero")
+        if self.bounded_prob > 0 and self.decoder_replay <= 0:
+            raise ValueError("bounded_prob needs decoder_replay > 0 (the follow-up carries the loss)")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """`steps` optimiser steps of `batch` sequences of `seq_len` tokens, accumulated over
+    micro-batches of `micro_batch` sequences (memory only; None: the whole batch at once)."""
+
+    name: str
+    steps: int
+    seq_len: int
+    batch: int
+    mixture: Mixture = field(default_factory=Mixture)
+    paths: Paths = field(default_factory=Paths)
+    micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1:
+            raise ValueError(f"phase {self.name}: steps and batch must be positive")
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation: bits per byte on `text_sequences` windows of `text_len` bytes, and
+    per-task exact match on prompts of `prompt_len` tokens (passkey: `passkey_per_depth` cases at
+    each depth; other tasks `cases`), on the full path and with bounded replay at cut points
+    `offsets` tokens after the evidence (empty: full path only)."""
+
+    prompt_len: int
+    cases: int
+    passkey_depths: tuple[float, ...]
+    passkey_per_depth: int
+    offsets: tuple[int, ...]
+    text_sequences: int
+    text_len: int
+    batch: int = 4
+    seed: int = 99991
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    preset: str
+    phases: tuple[Phase, ...]
+    lr: float
+    min_lr: float
+    warmup: int
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 1234
+    indexer_loss: float = 1.0  # KL of the indexer scores to the main attention (DSA-style)
+    indexer_rows: int = 64  # query rows per index layer and call that the KL is computed on
+    router_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimiser step
+    answer_budget: int = 96  # tokens kept after a task prompt for the answer
+    eval_every: int = 250
+    checkpoint_every: int = 50
+    log_every: int = 10
+    quick_eval: EvalSpec | None = None
+    final_eval: EvalSpec | None = None
+    corpus_files: int | None = None  # None: every stdlib file
+    init_from: str | None = None  # recipe whose export initialises this one (--init DIR)
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ValueError("a recipe needs at least one phase")
+        if not 0 <= self.warmup < self.total_steps:
+            raise ValueError("warmup must be shorter than the recipe")
+        if self.min_lr > self.lr:
+            raise ValueError("min_lr must not exceed lr")
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(p.steps * p.batch * p.seq_len for p in self.phases)
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase that optimiser step `step` (0-based) belongs to."""
+        for p in self.phases:
+            if step < p.steps:
+                return p
+            step -= p.steps
+        return self.phases[-1]
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to `lr`, then cosine to `min_lr` at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.total_steps - 1 - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SMALL_EVAL = EvalSpec(
+    prompt_len=4000,
+    cases=50,
+    passkey_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+    passkey_per_depth=20,
+    offsets=(0, 64, 128, 256),
+    text_sequences=32,
+    text_len=1024,
+)
+_SMALL_QUICK = EvalSpec(
+    prompt_len=896,
+    cases=8,
+    passkey_depths=(0.0, 0.5, 1.0),
+    passkey_per_depth=3,
+    offsets=(),
+    text_sequences=4,
+    text_len=1024,
+)
+
+
+def tiny() -> Recipe:
+    """A few seconds on a CPU: the test-suite recipe (tiny preset, short sequences)."""
+    mix = Mixture(text=0.5, passkey=0.2, multihop=0.15, chain=0.15, extract=0.0, tool=0.0)
+    spec = EvalSpec(
+        prompt_len=144,
+        cases=2,
+        passkey_depths=(0.0, 1.0),
+        passkey_per_depth=1,
+        offsets=(0, 8),
+        text_sequences=2,
+        text_len=64,
+        batch=2,
+    )
+    return Recipe(
+        name="tiny",
+        preset="v41-tiny",
+        phases=(Phase("base", steps=12, seq_len=128, batch=4, mixture=mix),),
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup=2,
+        seed=0,
+        indexer_rows=8,
+        answer_budget=16,
+        eval_every=6,
+        checkpoint_every=6,
+        log_every=1,
+        quick_eval=spec,
+        final_eval=spec,
+        corpus_files=60,
+    )
+
+
+def small() -> Recipe:
+    """The shipped base model: 3,000 steps of 8 × 1,024 tokens, then 400 steps of 2 × 4,096
+    tokens so that 4K contexts are seen in training (27.9M tokens in all)."""
+    return Recipe(
+        name="small",
+        preset="v41-small",
+        phases=(
+            Phase("base", steps=3000, seq_len=1024, batch=8, micro_batch=2),
+            Phase("long", steps=400, seq_len=4096, batch=2, micro_batch=1),
+        ),
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup=200,
+        quick_eval=_SMALL_QUICK,
+        final_eval=_SMALL_EVAL,
+    )
+
+
+def adapt() -> Recipe:
+    """Replay adaptation from `small`'s export: 400 steps of 8 × 1,024 tokens where every step
+    trains the full path (weight 0.5) and the follow-up under decoder replay, half of them also
+    with encoder bounded replay at a random cut (evidence just before the boundary 30% of the
+    time), as DeepSeek did in post-training."""
+    paths = Paths(full=0.5, decoder_replay=1.0, bounded_prob=0.5, boundary_prob=0.3)
+    return Recipe(
+        name="adapt",
+        preset="v41-small",
+        phases=(Phase("adapt", steps=400, seq_len=1024, batch=8, paths=paths, micro_batch=2),),
+        lr=3e-4,
+        min_lr=3e-5,
+        warmup=20,
+        seed=4321,
+        quick_eval=_SMALL_QUICK,
+        final_eval=_SMALL_EVAL,
+        init_from="small",
+    )
+
+
+RECIPES = {"tiny": tiny, "small": small, "adapt": adapt}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[name]()

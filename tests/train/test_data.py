@@ -1,0 +1,169 @@
+"""Training data: a deterministic corpus with disjoint splits, deterministic batches with the
+right loss masks, and task generators whose answers an independent reading of the prompt
+confirms (and whose scorers accept them), with passkey depths and evidence placement as asked."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+
+from replaykv.train.data import MixtureSampler, list_files, load_corpus, split_of, stdlib_root
+from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
+from replaykv.train.tasks import TASKS, TOKENIZER, generate, score
+
+FILES = 40
+
+
+@pytest.fixture(scope="module")
+def corpus():  # type: ignore[no-untyped-def]
+    return load_corpus(max_files=FILES, heldout_percent=25)
+
+
+def test_splits_are_disjoint_stable_and_cover_the_files(corpus) -> None:  # type: ignore[no-untyped-def]
+    files = list_files(stdlib_root(), FILES)
+    assert len(files) == FILES and not any("site-packages" in f for f in files)
+    splits = {f: split_of(f, 25) for f in files}
+    assert splits == {f: split_of(f, 25) for f in files}
+    train = {f for f, s in splits.items() if s == "train"}
+    held = {f for f, s in splits.items() if s == "heldout"}
+    assert train and held and not train & held
+    assert corpus["train"].info.files == len(train) and corpus["heldout"].info.files == len(held)
+    assert corpus["train"].info.fingerprint != corpus["heldout"].info.fingerprint
+
+
+def test_corpus_is_deterministic_and_shuffled_by_seed(corpus) -> None:  # type: ignore[no-untyped-def]
+    again = load_corpus(max_files=FILES, heldout_percent=25)
+    other = load_corpus(max_files=FILES, heldout_percent=25, seed=1)
+    assert np.array_equal(again["train"].code, corpus["train"].code)
+    assert len(other["train"].code) == len(corpus["train"].code)
+    assert not np.array_equal(other["train"].code, corpus["train"].code)
+    assert b"def " in corpus["train"].code.tobytes() and len(corpus["train"].prose) > 1000
+
+
+def test_batches_are_a_function_of_seed_and_step(corpus) -> None:  # type: ignore[no-untyped-def]
+    recipe = tiny()
+    s = MixtureSampler(corpus["train"], recipe, window=8)
+    a, b = s.batch(3), s.batch(3)
+    assert (a.ids == b.ids).all() and (a.targets == b.targets).all() and a.prompt_len == b.prompt_len
+    assert not (s.batch(4).ids == a.ids).all()
+    reseeded = MixtureSampler(corpus["train"], dataclasses.replace(recipe, seed=7), window=8)
+    assert not (reseeded.batch(3).ids == a.ids).all()
+    held = MixtureSampler(corpus["heldout"], recipe, window=8)
+    assert not (held.batch(3).ids == a.ids).all()
+
+
+def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore[no-untyped-def]
+    recipe = small()
+    s = MixtureSampler(corpus["train"], recipe, window=128)
+    seen = set()
+    for step in range(4):
+        batch = s.batch(step)
+        p = batch.prompt_len
+        assert batch.ids.shape == (8, 1024) and 512 <= p <= 1024 - recipe.answer_budget
+        for row, (kind, sample) in enumerate(zip(batch.kinds, batch.samples, strict=True)):
+            seen.add(kind)
+            t = batch.targets[row]
+            if sample is None:
+                assert kind == "text" and t[1:].all()
+                continue
+            n = len(sample.answer)
+            assert batch.ids[row, :p].tolist() == list(sample.prompt)
+            assert batch.ids[row, p : p + n].tolist() == list(sample.answer)
+            assert t[p : p + n].all() and not t[p + n]  # the <|eos|> after the answer is no target
+            in_prompt = {i for a, b in sample.train_spans for i in range(a, b)}
+            assert {i for i in range(p) if t[i]} == in_prompt
+            assert t[p + n + 1 :].all()  # packed text after the sample
+    assert len(seen) >= 4
+
+
+def _check_answer(sample, prompt: str) -> None:  # type: ignore[no-untyped-def]
+    """Recompute the answer from the prompt text alone."""
+    if sample.task == "passkey":
+        assert re.findall(r"The pass key is (\d+)\.", prompt) == [sample.answer_text]
+    elif sample.task == "multihop":
+        links = dict(re.findall(r"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n", prompt))
+        hops, start = re.search(r"Follow (\d) links from ([A-Z0-9]{4}):", prompt).groups()  # type: ignore[union-attr]
+        code = start
+        for _ in range(int(hops)):
+            code = links[code]
+        assert code == sample.answer_text
+    elif sample.task == "chain":
+        env: dict[str, int] = {}
+        for name, rhs in re.findall(r"^([a-z]) = (\d+|[a-z])$", prompt, flags=re.M):
+            env[name] = int(rhs) if rhs.isdigit() else env[rhs]
+        q = re.search(r"print\(([a-z])\)<\|end\|>", prompt).group(1)  # type: ignore[union-attr]
+        assert str(env[q]) == sample.answer_text
+    elif sample.task == "extract":
+        rec = json.loads(sample.answer_text)
+        assert set(rec) == {"name", "year", "city", "job"}
+        assert all(str(v) in prompt for v in rec.values())
+    elif sample.task == "tool":
+        results = re.findall(r"<\|tool\|>(.*?)<\|end\|>", prompt)
+        key = re.search(r"value of (\w+)\?", prompt).group(1)  # type: ignore[union-attr]
+        for text in results:
+            value = json.loads(text)[key]
+            if isinstance(value, str):
+                key = value.removeprefix("see ")
+            else:
+                assert str(value) == sample.answer_text
+
+
+def _render(ids: tuple[int, ...]) -> str:
+    names = {v: k for k, v in TOKENIZER.special_ids.items()}
+    return "".join(names[i] if i in names else chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_generated_answers_are_verifiable_and_scored(corpus, task: str) -> None:  # type: ignore[no-untyped-def]
+    made = 0
+    for seed in range(6):
+        for p_len in (160, 400, 1200):
+            sample = generate(task, np.random.default_rng([seed, p_len]), corpus["train"], p_len)
+            if sample is None:
+                continue
+            made += 1
+            assert len(sample.prompt) == p_len and sample.prompt[-1] == TOKENIZER.special_ids["<|assistant|>"]
+            assert sample.answer[-1] == TOKENIZER.special_ids["<|end|>"]
+            assert TOKENIZER.decode(list(sample.answer[:-1])) == sample.answer_text
+            assert score(sample, sample.answer_text) and score(sample, f" {sample.answer_text}\n")
+            assert not score(sample, sample.answer_text[:-1] + "#")
+            e0, e1 = sample.evidence
+            assert 0 < e0 < e1 <= p_len
+            if task != "extract":
+                assert sample.answer_text in TOKENIZER.decode(list(sample.prompt[e0:e1]))
+            _check_answer(sample, _render(sample.prompt))
+    assert made >= 6
+
+
+def test_passkey_depths_and_evidence_placement(corpus) -> None:  # type: ignore[no-untyped-def]
+    starts = []
+    for d in (0.0, 0.25, 0.5, 0.75, 1.0):
+        s = generate("passkey", np.random.default_rng(0), corpus["train"], 1000, depth=d)
+        assert s is not None and s.meta["depth"] == pytest.approx(d, abs=0.01)
+        starts.append(s.evidence[0])
+    assert starts == sorted(starts) and starts[-1] - starts[0] > 800
+    # Evidence that ends exactly where a replay boundary s = cut - W will be.
+    for task in ("passkey", "multihop", "chain", "extract"):
+        for end in (300, 301, 640):
+            s = generate(task, np.random.default_rng(end), corpus["train"], 900, evidence_end=end)
+            assert s is not None and s.evidence[1] == end, task
+
+
+def test_replay_steps_put_evidence_before_the_boundary(corpus) -> None:  # type: ignore[no-untyped-def]
+    mix = Mixture(text=0.0, passkey=1.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0)
+    paths = Paths(full=1.0, decoder_replay=1.0, bounded_prob=1.0, boundary_prob=1.0)
+    recipe = dataclasses.replace(small(), phases=(Phase("p", 10, 1024, 4, mix, paths),), warmup=1)
+    s = MixtureSampler(corpus["train"], recipe, window=128)
+    checked = 0
+    for step in range(6):
+        b = s.batch(step)
+        assert b.cut > 0 and b.cut % 2 == 0 and b.cut < b.prompt_len
+        for sample in b.samples:
+            if sample is not None and b.cut - 128 > 40:
+                assert sample.evidence[1] == b.cut - 128
+                checked += 1
+    assert checked
