@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import replace_section
 
 from replaykv.cache.views import allocate_view
 from replaykv.engine.runner import execute
@@ -193,20 +197,8 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text() if path.exists() else ""
-        if MARK_BEGIN in text and MARK_END in text:
-            head, rest = text.split(MARK_BEGIN, 1)
-            _, tail = rest.split(MARK_END, 1)
-            text = head + table + tail
-        else:
-            text = (
-                text.rstrip()
-                + "\n\n## SWA bounded replay\n\n`python bench/bench_replay.py --write docs/benchmarks.md`\n\n"
-                + table
-                + "\n"
-            )
-        path.write_text(text)
+        heading = "## SWA bounded replay\n\n`python bench/bench_replay.py --write docs/benchmarks.md`"
+        replace_section(args.write, table, MARK_BEGIN, MARK_END, heading)
     return 0
 
 

@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import replace_section
+
 ROOT = Path(__file__).resolve().parents[1]
 MARK_BEGIN = "<!-- bench_v4_vs_transformers:begin -->"
 MARK_END = "<!-- bench_v4_vs_transformers:end -->"
@@ -215,15 +218,8 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text() if path.exists() else ""
-        if MARK_BEGIN in text and MARK_END in text:
-            head, rest = text.split(MARK_BEGIN, 1)
-            _, tail = rest.split(MARK_END, 1)
-            text = head + table + tail
-        else:
-            text = text + ("\n" if text else "") + table + "\n"
-        path.write_text(text)
+        heading = "## DeepSeek-V4: replaykv versus transformers\n\n`python bench/bench_v4_vs_transformers.py --write docs/benchmarks.md`"
+        replace_section(args.write, table, MARK_BEGIN, MARK_END, heading)
     return 0
 
 

@@ -32,6 +32,9 @@ from typing import Any
 
 import httpx2 as httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import replace_section
+
 ROOT = Path(__file__).resolve().parents[1]
 MARK_BEGIN = "<!-- serve_load:begin -->"
 MARK_END = "<!-- serve_load:end -->"
@@ -221,20 +224,8 @@ def table(runs: list[Run], args: argparse.Namespace) -> str:
 
 
 def write(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        _, tail = rest.split(MARK_END, 1)
-        text = head + section + tail
-    else:
-        text = (
-            text.rstrip()
-            + "\n\n## Serving under load: replay on versus off\n\n"
-            + "`python bench/serve_load.py --write docs/benchmarks.md`\n\n"
-            + section
-            + "\n"
-        )
-    path.write_text(text)
+    heading = "## Serving under load: replay on versus off\n\n`python bench/serve_load.py --write docs/benchmarks.md`"
+    replace_section(path, section, MARK_BEGIN, MARK_END, heading)
 
 
 def main() -> int:

@@ -74,20 +74,7 @@ class Indexer(nn.Module):
         limit = causal_entry_limit(step.positions, self.ratio)  # [B, S]
         keys_f = keys.float()
         out = torch.full((b, s, k), -1, dtype=torch.long, device=x.device)
-        per_row = b * self.n_heads
-        i0 = 0
-        while i0 < s:
-            # Size the block by the visible prefix at its last query (limits grow with position).
-            step_q = max(
-                1, min(s - i0, _BLOCK_BUDGET // max(1, per_row * step.visible_entries(self.ratio, i0)))
-            )
-            while (
-                step_q > 1
-                and step_q * per_row * step.visible_entries(self.ratio, i0 + step_q - 1) > _BLOCK_BUDGET
-            ):
-                step_q //= 2
-            i1 = i0 + step_q
-            n_vis = step.visible_entries(self.ratio, i1 - 1)
+        for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):
             if n_vis > 0:
                 nq = i1 - i0
                 dots = torch.matmul(
@@ -99,7 +86,6 @@ class Indexer(nn.Module):
                 scores = scores.masked_fill_(torch.arange(n_vis, device=x.device) >= lim, float("-inf"))
                 idx = topk_lowest_index(scores, min(k, n_vis))
                 out[:, i0:i1, : idx.shape[-1]] = idx.masked_fill_(idx >= lim, -1)
-            i0 = i1
         return out
 
 

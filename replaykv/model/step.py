@@ -43,6 +43,26 @@ class RopeTables:
         return rope_table(self.freqs[kind], positions)
 
 
+def build_step(
+    positions_start: torch.Tensor,
+    floors: torch.Tensor,
+    seq: int,
+    freqs: dict[str, torch.Tensor],
+    write_global: bool,
+) -> Step:
+    """The Step of a call adding `seq` tokens to rows starting at `positions_start` [B]."""
+    positions = positions_start[:, None] + torch.arange(seq, device=positions_start.device)
+    return Step(
+        positions=positions,
+        start=positions_start,
+        start_host=tuple(positions_start.tolist()),
+        floors=floors,
+        floors_host=tuple(floors.tolist()),
+        rope=RopeTables.build(freqs, positions),
+        write_global=write_global,
+    )
+
+
 @dataclass
 class Step:
     """Rows of one forward: B rows, S new tokens each, row b at positions start[b] + [0, S)."""
@@ -80,6 +100,18 @@ class Step:
     def visible_entries(self, ratio: int, query: int) -> int:
         """Largest number of entries any row's query `query` (0-based in the call) may see."""
         return max((p + query + 1) // ratio for p in self.start_host)
+
+    def entry_blocks(self, ratio: int, per_entry: int, budget: int) -> Iterator[tuple[int, int, int]]:
+        """Blocks of queries (i0, i1, visible entries at i1 - 1) such that block rows × visible
+        entries × per_entry stays within `budget` (visible prefixes grow with position)."""
+        s, i0 = self.seq, 0
+        while i0 < s:
+            n = max(1, per_entry * self.visible_entries(ratio, i0))
+            rows = max(1, min(s - i0, budget // n))
+            while rows > 1 and rows * per_entry * self.visible_entries(ratio, i0 + rows - 1) > budget:
+                rows //= 2
+            yield i0, i0 + rows, self.visible_entries(ratio, i0 + rows - 1)
+            i0 += rows
 
 
 @dataclass

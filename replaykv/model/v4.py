@@ -16,7 +16,7 @@ from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, hc_collapse, hc_expand
 from replaykv.model.rope import inv_freq
-from replaykv.model.step import Residual, RopeTables, Selection, Step, flush_denormals
+from replaykv.model.step import Residual, Selection, Step, build_step, flush_denormals
 
 
 class DecoderLayer(nn.Module):
@@ -69,17 +69,7 @@ class DeepseekV4Model(nn.Module):
                 "compress": inv_freq(c.rope_compress, c.qk_rope_head_dim, dev),
             }
             self._freqs_key = key
-        positions = cache.positions[:, None] + torch.arange(seq, device=dev)
-        floors = cache.floors()
-        return Step(
-            positions=positions,
-            start=cache.positions,
-            start_host=tuple(cache.positions.tolist()),
-            floors=floors,
-            floors_host=tuple(floors.tolist()),
-            rope=RopeTables.build(self._freqs, positions),
-            write_global=write_global,
-        )
+        return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global)
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView) -> torch.Tensor:
         """input_ids [B, S] -> final hidden states [B, S, hidden]."""

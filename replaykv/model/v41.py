@@ -36,7 +36,7 @@ from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.layers import HyperConnection, MoEV41, RMSNorm, cast, hc_collapse, hc_expand
 from replaykv.model.quant import fp4_entry_fake_quant, fp8_window_fake_quant, mxfp4_index_fake_quant
 from replaykv.model.rope import apply_rope, inv_freq
-from replaykv.model.step import Residual, RopeTables, Selection, Step, flush_denormals
+from replaykv.model.step import Residual, Selection, Step, build_step, flush_denormals
 
 
 class IndexerV41(nn.Module):
@@ -90,19 +90,7 @@ class IndexerV41(nn.Module):
             n_blocks = -(-keys.shape[1] // self.cand_size)
             n_cand = min(self.cand_blocks, n_blocks)
         cands = torch.full((b, s, n_cand), -1, dtype=torch.long, device=x.device) if n_cand else None
-        per_row = b * self.n_heads
-        i0 = 0
-        while i0 < s:
-            q_step = max(
-                1, min(s - i0, _BLOCK_BUDGET // max(1, per_row * step.visible_entries(self.ratio, i0)))
-            )
-            while (
-                q_step > 1
-                and q_step * per_row * step.visible_entries(self.ratio, i0 + q_step - 1) > _BLOCK_BUDGET
-            ):
-                q_step //= 2
-            i1 = i0 + q_step
-            n_vis = step.visible_entries(self.ratio, i1 - 1)
+        for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):
             if n_vis > 0:
                 nq = i1 - i0
                 dots = torch.matmul(
@@ -122,7 +110,6 @@ class IndexerV41(nn.Module):
                 idx = topk_lowest_index(scores, min(k, n_vis))
                 dropped = scores.gather(-1, idx) == float("-inf")
                 topk[:, i0:i1, : idx.shape[-1]] = idx.masked_fill_(dropped, -1)
-            i0 = i1
         selection.topk = topk
         if cands is not None:
             selection.candidates = cands
@@ -302,17 +289,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "compress": inv_freq(c.rope_compress, rd, dev),
             }
             self._freqs_device = dev
-        positions = cache.positions[:, None] + torch.arange(seq, device=dev)
-        floors = cache.floors()
-        return Step(
-            positions=positions,
-            start=cache.positions,
-            start_host=tuple(cache.positions.tolist()),
-            floors=floors,
-            floors_host=tuple(floors.tolist()),
-            rope=RopeTables.build(self._freqs, positions),
-            write_global=write_global,
-        )
+        return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global)
 
     def embed(self, input_ids: torch.Tensor) -> Residual:
         """input_ids [B, S] -> the residual entering layer 0 (stream 0 selected by the pre-mix)."""
