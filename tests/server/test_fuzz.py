@@ -133,3 +133,16 @@ def test_fuzzed_bodies_never_5xx(http: httpx.Client, path: str, model: type[Any]
 @given(raw=st.binary(max_size=80) | st.text(max_size=80).map(lambda s: s.encode("utf-8", "surrogatepass")))
 def test_fuzzed_raw_bytes_never_5xx(http: httpx.Client, raw: bytes) -> None:
     check(http, "/v1/chat/completions", raw)
+
+
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)],
+)
+def test_fuzzer_covers_the_openapi_spec(http: httpx.Client, path: str, model: type[Any]) -> None:
+    """The fuzzed bodies are built from exactly the fields the served OpenAPI spec documents."""
+    spec = http.get("/openapi.json").json()
+    ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = spec["components"]["schemas"][ref.rsplit("/", 1)[-1]]
+    assert set(schema["properties"]) == set(model.model_fields)
+    assert schema.get("additionalProperties") is False  # unknown fields are refused, as fuzzed
