@@ -24,7 +24,7 @@ from replaykv.model.compressor import (
     write_ring,
 )
 from replaykv.model.config import DeepseekV4Config
-from replaykv.model.layers import RMSNorm, cast, unweighted_rms_norm
+from replaykv.model.layers import MIN_GEMM_ROWS, Linear, RMSNorm, cast, pad_rows, unweighted_rms_norm
 from replaykv.model.rope import apply_rope
 from replaykv.model.step import Step
 
@@ -32,12 +32,22 @@ from replaykv.model.step import Step
 _BLOCK_BUDGET = 1 << 22
 
 
+def index_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [B, Q, H, Di] . keys [B, N, Di] -> [B, Q*H, N], with the rows padded as in `linear` so
+    a query's scores do not depend on the block it was scored in."""
+    b, nq, h, di = q.shape
+    rows = q.reshape(b, nq * h, di)
+    if nq * h < MIN_GEMM_ROWS:
+        rows = torch.stack([pad_rows(r)[0] for r in rows])
+    return torch.matmul(rows, keys.transpose(1, 2))[:, : nq * h]
+
+
 class IndexScorer(nn.Module):
     """Holds the per-head weight projection of the indexer (`scorer.weights_proj`)."""
 
     def __init__(self, hidden: int, n_heads: int) -> None:
         super().__init__()
-        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+        self.weights_proj = Linear(hidden, n_heads)
 
 
 class Indexer(nn.Module):
@@ -55,7 +65,7 @@ class Indexer(nn.Module):
         self.key_compressor = Compressor(
             config.hidden_size, self.head_dim, ratio, overlap=True, eps=config.rms_norm_eps
         )
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.scorer = IndexScorer(config.hidden_size, self.n_heads)
 
     def select(
@@ -77,9 +87,7 @@ class Indexer(nn.Module):
         for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):
             if n_vis > 0:
                 nq = i1 - i0
-                dots = torch.matmul(
-                    q[:, i0:i1].reshape(b, nq * self.n_heads, -1), keys_f[:, :n_vis].transpose(1, 2)
-                )
+                dots = index_dots(q[:, i0:i1], keys_f[:, :n_vis])
                 dots = F.relu_(dots).view(b, nq, self.n_heads, n_vis)
                 scores = torch.matmul(w[:, i0:i1, None, :], dots).squeeze(-2)  # [B, Q, N]
                 lim = limit[:, i0:i1, None]
@@ -115,28 +123,25 @@ def joint_attention(
     win_pos = step.start[:, None] + torch.arange(1 - w, s, device=q.device)
     key_ok = win_pos >= step.floors[:, None].clamp(min=0)  # [B, W-1+S]
     all_ok = step.window_unclipped(w)
+    if entries is not None and entries.shape[1] == 0:
+        entries = None  # nothing is visible yet (an all -inf branch adds exactly nothing)
     limit = None if entries is None else causal_entry_limit(step.positions, ratio)
     n_sel = 0 if selection is None else selection.shape[-1]
     q_step = min(s, max(w, 64))
     if selection is not None:
         q_step = max(1, min(q_step, _BLOCK_BUDGET // max(1, b * n_sel * d)))
     sink = sinks.float().view(1, 1, h)
-    band: dict[int, torch.Tensor] = {}
     for i0 in range(0, s, q_step):
         i1 = min(s, i0 + q_step)
         nq = i1 - i0
-        kw = win_keys[:, i0 : i1 + w - 1]  # [B, L, D]
-        length = kw.shape[1]
+        # Every query reads exactly its W window keys, in position order, with fixed-size
+        # reductions: the result of a query does not depend on how the sequence was chunked.
+        kw = win_keys[:, i0 : i1 + w - 1].unfold(1, w, 1).contiguous()  # [B, Q, D, W]
         qb = q[:, i0:i1]  # [B, Q, H, D]
-        lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).view(b, nq, h, length).float()
-        lw = lw.mul_(scale)
-        if nq > 1 or not all_ok:
-            if nq not in band:
-                qi = torch.arange(nq, device=q.device)[:, None]
-                kj = torch.arange(length, device=q.device)[None, :]
-                band[nq] = (kj < qi) | (kj > qi + w - 1)  # [Q, L] outside the window
-            hidden = band[nq][None] | ~key_ok[:, None, i0 : i0 + length]  # [B, Q, L]
-            lw = lw.masked_fill_(hidden[:, :, None], float("-inf"))
+        lw = torch.matmul(qb, kw).float().mul_(scale)  # [B, Q, H, W]
+        if not all_ok:
+            ok = key_ok[:, i0 : i1 + w - 1].unfold(1, w, 1)  # [B, Q, W]
+            lw = lw.masked_fill_(~ok[:, :, None], float("-inf"))
         mx = torch.maximum(lw.amax(dim=-1), sink)  # [B, Q, H]
         lc = kc = None
         if entries is not None and limit is not None:
@@ -158,7 +163,7 @@ def joint_attention(
                 mx = torch.maximum(mx, lc.amax(dim=-1))
         pw = torch.exp(lw - mx[..., None])
         den = pw.sum(dim=-1) + torch.exp(sink - mx)
-        o = torch.matmul(cast(pw, q.dtype).view(b, nq * h, length), kw).view(b, nq, h, d)
+        o = torch.matmul(cast(pw, q.dtype), kw.transpose(-1, -2))  # [B, Q, H, D]
         if lc is not None and kc is not None and lc.shape[-1]:
             pc = torch.exp(lc - mx[..., None])
             den = den + pc.sum(dim=-1)
@@ -168,57 +173,6 @@ def joint_attention(
                 o = o + torch.bmm(cast(pc, q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
         out[:, i0:i1] = o / cast(den[..., None], q.dtype)
     return out
-
-
-def decode_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    key_ok: torch.Tensor | None,
-    sinks: torch.Tensor,
-    entries: torch.Tensor | None = None,
-    entry_count: torch.Tensor | None = None,
-    selection: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query per row: joint softmax over the window ring, compressed entries and the sink.
-
-    q: [B, 1, H, D]; keys: [B, W, D] the whole window ring (order does not matter); key_ok:
-    [B, W] readable slots, or None when all are. entries: [B, N, D]; entry_count: [B] visible
-    entries per row for dense layers (None = all N); selection: [B, 1, k] for sparse layers.
-    """
-    _b, _, h, d = q.shape
-    scale = d**-0.5
-    qf = q[:, 0]  # [B, H, D]
-    lw = torch.bmm(qf, keys.transpose(1, 2)).float().mul_(scale)  # [B, H, W]
-    if key_ok is not None:
-        lw = lw.masked_fill_(~key_ok[:, None], float("-inf"))
-    sink = sinks.float().view(1, h)
-    mx = torch.maximum(lw.amax(dim=-1), sink)
-    lc = kc = None
-    if entries is not None and entries.shape[1]:
-        if selection is None:
-            kc = entries
-            lc = torch.bmm(qf, kc.transpose(1, 2)).float().mul_(scale)
-            if entry_count is not None:
-                hidden = torch.arange(kc.shape[1], device=q.device) >= entry_count[:, None]
-                lc = lc.masked_fill_(hidden[:, None], float("-inf"))
-        else:
-            sel = selection[:, 0]  # [B, k]
-            kc = entries.gather(1, sel.clamp(min=0)[..., None].expand(-1, -1, d))
-            lc = (
-                torch.bmm(qf, kc.transpose(1, 2))
-                .float()
-                .mul_(scale)
-                .masked_fill_((sel < 0)[:, None], float("-inf"))
-            )
-        mx = torch.maximum(mx, lc.amax(dim=-1))
-    pw = torch.exp(lw - mx[..., None])
-    den = pw.sum(dim=-1) + torch.exp(sink - mx)
-    o = torch.bmm(cast(pw, q.dtype), keys)
-    if lc is not None and kc is not None:
-        pc = torch.exp(lc - mx[..., None])
-        den = den + pc.sum(dim=-1)
-        o = o + torch.bmm(cast(pc, q.dtype), kc)
-    return (o / cast(den[..., None], q.dtype))[:, None]
 
 
 class Attention(nn.Module):
@@ -234,14 +188,14 @@ class Attention(nn.Module):
         self.ratio = config.compress_ratio(layer)
         self.rope_kind = "main" if self.ratio == 0 else "compress"
         hidden, d, h = config.hidden_size, config.head_dim, config.num_attention_heads
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, config.q_lora_rank)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, h * d, bias=False)
-        self.kv_proj = nn.Linear(hidden, d, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, h * d)
+        self.kv_proj = Linear(hidden, d)
         self.kv_norm = RMSNorm(d, config.rms_norm_eps)
         self.o_groups = config.o_groups
-        self.o_a_proj = nn.Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank)
+        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden)
         self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
@@ -279,10 +233,10 @@ class Attention(nn.Module):
         q = apply_rope(q, cos_h, sin_h)
 
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, S, D]
-        if s == 1:
+        if s == 1:  # decode: write the slot, then read the window in position order
             slots = step.start.remainder(w)
             cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
-            win_keys = cast(cache.window, kv.dtype)
+            win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
         else:
             win_keys = torch.cat([cast(ordered_ring(cache.window, step.start, w - 1), kv.dtype), kv], dim=1)
             write_ring(cache.window, kv, step.start)
@@ -300,23 +254,12 @@ class Attention(nn.Module):
                     self.compress(self.indexer.key_compressor, x, step, cache, index=True)
                 selection = self.indexer.select(x, q_res, cache.index_keys[:, :n], step, self.rope_kind)
 
-        if s == 1:
-            key_ok = None
-            if not step.window_unclipped(w):
-                # position held by slot j: the latest position <= p congruent to j mod W
-                slot_pos = step.start[:, None] - (
-                    step.start[:, None] - torch.arange(w, device=x.device)
-                ).remainder(w)
-                key_ok = slot_pos >= step.floors[:, None].clamp(min=0)
-            count = None
-            if entries is not None and selection is None and b > 1:
-                count = causal_entry_limit(step.start, self.ratio)
-            o = decode_attention(q, win_keys, key_ok, self.sinks, entries, count, selection)
-        else:
-            o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)
+        o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
         g = self.o_groups
         grouped = o.reshape(b * s, g, -1)
+        if b * s < MIN_GEMM_ROWS:  # see `linear`
+            grouped = torch.cat([grouped, grouped[:1].expand(MIN_GEMM_ROWS - b * s, -1, -1)])
         wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1).reshape(b, s, -1)
+        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)[: b * s].reshape(b, s, -1)
         return self.o_b_proj(z)

@@ -12,11 +12,10 @@ Not for: attention over the entries (see :mod:`replaykv.model.attention`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replaykv.model.cache_view import CompressorCarry
-from replaykv.model.layers import RMSNorm, cast
+from replaykv.model.layers import Linear, RMSNorm, cast, linear
 from replaykv.model.step import Step
 
 
@@ -69,8 +68,8 @@ class Compressor(nn.Module):
         self.overlap = overlap
         self.out_dim = out_dim
         width = (2 if overlap else 1) * out_dim
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj: nn.Linear | None = nn.Linear(hidden, width, bias=False) if gate else None
+        self.kv_proj = Linear(hidden, width)
+        self.gate_proj: Linear | None = Linear(hidden, width) if gate else None
         self.position_bias: nn.Parameter | None = (
             nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32)) if position_bias else None
         )
@@ -88,10 +87,10 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, S, hidden], positions [B, S] -> float32 (kv, gate + position bias) [B, S, width]."""
         xf = cast(x, torch.float32)
-        kv = F.linear(xf, cast(self.kv_proj.weight, torch.float32))
+        kv = linear(xf, cast(self.kv_proj.weight, torch.float32))
         if self.gate_proj is None:
             return kv, None
-        gate = F.linear(xf, cast(self.gate_proj.weight, torch.float32))
+        gate = linear(xf, cast(self.gate_proj.weight, torch.float32))
         if self.position_bias is not None:
             gate = gate + self.position_bias[positions.remainder(self.ratio)]
         return kv, gate

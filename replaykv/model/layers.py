@@ -15,6 +15,38 @@ from torch import nn
 
 from replaykv.model.config import DeepseekV4Config
 
+# BLAS computes fewer than this many rows with other kernels than many rows, which round
+# differently; padding small inputs to this many rows makes a row's value independent of the
+# rows it came with (decode steps, small chunks, an expert that got few tokens).
+MIN_GEMM_ROWS = 16
+
+
+def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> tuple[torch.Tensor, int]:
+    """x [M, K] padded (by repeating its first row) to at least `rows` rows; returns (x, M)."""
+    m = x.shape[0]
+    if m >= rows or m == 0:
+        return x, m
+    return torch.cat([x, x[:1].expand(rows - m, -1)]), m
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T whose value for a row does not depend on how many rows come with it."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] >= MIN_GEMM_ROWS:
+        return F.linear(x, weight)
+    padded, m = pad_rows(flat)
+    return F.linear(padded, weight)[:m].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """A bias-free nn.Linear computed with :func:`linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 with a float32 weight; casts back to the input dtype."""
@@ -62,7 +94,7 @@ class HyperConnection(nn.Module):
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
         # One scale per output: (pre ×n, post ×n, comb ×n²), then the bias, as one elementwise pass.
         scales = self.scale.repeat_interleave(torch.tensor([n, n, n * n], device=self.scale.device))
-        z = F.linear(flat, self.fn) * scales + self.base
+        z = linear(flat, self.fn) * scales + self.base
         pre_z, post_z, comb_z = z.split([n, n, n * n], dim=-1)
         pre = torch.sigmoid(pre_z) + self.hc_eps
         post = 2 * torch.sigmoid(post_z)
@@ -129,7 +161,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        pre = torch.sigmoid(linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
         return hc_collapse(streams, pre + self.eps)
 
 
@@ -144,9 +176,9 @@ class SharedExpert(nn.Module):
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = Linear(h, i)
+        self.up_proj = Linear(h, i)
+        self.down_proj = Linear(i, h)
         self.limit = config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,21 +205,9 @@ class Experts(nn.Module):
         scales the activation, in float32, before the down projection.
         """
         t, k = indices.shape
-        if t * k <= self.num_experts:
-            # Few rows (decode): gather each pick's weights and run them as one batched matmul.
-            flat_idx = indices.reshape(-1)
-            xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-            gate, up = torch.bmm(self.gate_up_proj[flat_idx], xs).squeeze(-1).chunk(2, dim=-1)
-            act = clamped_swiglu(gate, up, self.limit)
-            if weight_before_down:
-                act = cast(cast(act, torch.float32) * weights.reshape(-1, 1), x.dtype)
-                y = torch.bmm(self.down_proj[flat_idx], act.unsqueeze(-1)).squeeze(-1)
-            else:
-                y = torch.bmm(self.down_proj[flat_idx], act.unsqueeze(-1)).squeeze(-1)
-                y = y * cast(weights.reshape(-1, 1), x.dtype)
-            return y.view(t, k, -1).sum(dim=1)
-        # Many rows: sort the (token, pick) pairs by expert, run each expert once on its rows,
-        # then put the results back in (token, pick) order and sum over the picks.
+        # Sort the (token, pick) pairs by expert, run each expert once on its rows, then put the
+        # results back in (token, pick) order and sum over the picks. One code path for any number
+        # of rows, so a token's result does not depend on what it was batched with.
         flat_idx = indices.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
@@ -198,11 +218,11 @@ class Experts(nn.Module):
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            gate, up = F.linear(x_sorted[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
+            gate, up = linear(x_sorted[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
             act = clamped_swiglu(gate, up, self.limit)
             if weight_before_down:
                 act = cast(cast(act, torch.float32) * w_sorted[start : start + c, None], x.dtype)
-            y_sorted[start : start + c] = F.linear(act, self.down_proj[e])
+            y_sorted[start : start + c] = linear(act, self.down_proj[e])
             start += c
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
@@ -240,7 +260,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], input_ids [T] -> (indices [T, k], weights [T, k])."""
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        scores = F.softplus(linear(x, self.weight)).sqrt()
         if self.hashed:
             indices = self.tid2eid[input_ids].long()
         else:
@@ -292,7 +312,7 @@ class RouterV41(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (indices [T, k], weights [T, k] float32)."""
-        logits = F.linear(cast(x, torch.float32), cast(self.weight, torch.float32))
+        logits = linear(cast(x, torch.float32), cast(self.weight, torch.float32))
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
         scores = F.softplus(logits).sqrt()

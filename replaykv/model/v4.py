@@ -14,7 +14,16 @@ from torch import nn
 from replaykv.model.attention import Attention
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.config import DeepseekV4Config
-from replaykv.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, hc_collapse, hc_expand
+from replaykv.model.layers import (
+    HyperConnection,
+    HyperHead,
+    Linear,
+    MoE,
+    RMSNorm,
+    hc_collapse,
+    hc_expand,
+    linear,
+)
 from replaykv.model.rope import inv_freq
 from replaykv.model.step import Residual, Selection, Step, build_step, flush_denormals
 
@@ -91,7 +100,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
     # The forward split for replay (same calls as DeepSeek-V4.1; V4 has no lagged pre-mix).
     def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
@@ -113,7 +122,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def head(self, state: Residual) -> torch.Tensor:
         hidden = self.model.norm(self.model.hc_head(state.streams))
-        return nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+        return linear(hidden.float(), self.lm_head.weight.float())
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, vocab] ("all") or [B, 1, vocab] ("last"), float32."""
@@ -123,4 +132,4 @@ class DeepseekV4ForCausalLM(nn.Module):
             hidden = hidden[:, -1:]
         elif logits_rows == "none":
             return hidden[:, :0].new_zeros(hidden.shape[0], 0, self.config.vocab_size).float()
-        return nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+        return linear(hidden.float(), self.lm_head.weight.float())

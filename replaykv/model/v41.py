@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replaykv.model.attention import _BLOCK_BUDGET, decode_attention, joint_attention
+from replaykv.model.attention import _BLOCK_BUDGET, index_dots, joint_attention
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.compressor import (
     Compressor,
@@ -33,7 +33,17 @@ from replaykv.model.compressor import (
     write_ring,
 )
 from replaykv.model.config_v41 import DeepseekV41Config
-from replaykv.model.layers import HyperConnection, MoEV41, RMSNorm, cast, hc_collapse, hc_expand
+from replaykv.model.layers import (
+    MIN_GEMM_ROWS,
+    HyperConnection,
+    Linear,
+    MoEV41,
+    RMSNorm,
+    cast,
+    hc_collapse,
+    hc_expand,
+    linear,
+)
 from replaykv.model.quant import fp4_entry_fake_quant, fp8_window_fake_quant, mxfp4_index_fake_quant
 from replaykv.model.rope import apply_rope, inv_freq
 from replaykv.model.step import Residual, Selection, Step, build_step, flush_denormals
@@ -58,13 +68,13 @@ class IndexerV41(nn.Module):
         self.uses_candidates = 0 <= config.candidate_source < layer
         self.cand_blocks = config.candidate_topk_blocks
         self.cand_size = config.candidate_block_size
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads)
         self.owns_keys = config.is_kv_source(layer)
-        self.k_proj: nn.Linear | None = None
+        self.k_proj: Linear | None = None
         self.k_norm: RMSNorm | None = None
         if self.owns_keys:
-            self.k_proj = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_proj = Linear(config.head_dim, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,7 +88,7 @@ class IndexerV41(nn.Module):
     ) -> None:
         """Score every query against the visible keys; publish top-k (and candidates) in `selection`."""
         b, s, _ = x.shape
-        k = min(self.topk, keys.shape[1])
+        k = self.topk  # fixed width (-1 padded): attention reductions do not depend on chunking
         q = self.q_b_proj(q_res).view(b, s, self.n_heads, self.head_dim)
         q = mxfp4_index_fake_quant(apply_rope(q, *step.rope.heads("compress")), enabled=self.quant).float()
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, Hi]
@@ -93,9 +103,7 @@ class IndexerV41(nn.Module):
         for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):
             if n_vis > 0:
                 nq = i1 - i0
-                dots = torch.matmul(
-                    q[:, i0:i1].reshape(b, nq * self.n_heads, -1), keys_f[:, :n_vis].transpose(1, 2)
-                )
+                dots = index_dots(q[:, i0:i1], keys_f[:, :n_vis])
                 dots = F.relu_(dots).mul_(self.head_dim**-0.5).view(b, nq, self.n_heads, n_vis)
                 scores = (dots * w[:, i0:i1, :, None]).sum(dim=2)  # [B, Q, N]
                 lim = limit[:, i0:i1, None]
@@ -149,14 +157,14 @@ class AttentionV41(nn.Module):
         self.ratio = config.compress_ratio(layer)
         self.rope_kind = "main" if self.ratio == 0 else "compress"
         self.quant = config.kv_quant
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, config.q_lora_rank)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, h * d, bias=False)
-        self.kv_proj = nn.Linear(hidden, d, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, h * d)
+        self.kv_proj = Linear(hidden, d)
         self.kv_norm = RMSNorm(d, config.rms_norm_eps)
         self.o_groups = config.o_groups
-        self.o_a_proj = nn.Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.o_a_proj = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank)
+        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, hidden)
         self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32))
         self.compressor: Compressor | None = None
         if config.is_kv_source(layer):
@@ -179,10 +187,10 @@ class AttentionV41(nn.Module):
         q = apply_rope(self.q_b_proj(q_res).view(b, s, h, d), cos_h, sin_h)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         kv = fp8_window_fake_quant(kv, enabled=self.quant)  # [B, S, D]
-        if s == 1:
+        if s == 1:  # decode: write the slot, then read the window in position order
             slots = step.start.remainder(w)
             cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
-            win_keys = cast(cache.window, kv.dtype)
+            win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
         else:
             win_keys = torch.cat([cast(ordered_ring(cache.window, step.start, w - 1), kv.dtype), kv], dim=1)
             write_ring(cache.window, kv, step.start)
@@ -198,21 +206,14 @@ class AttentionV41(nn.Module):
             chosen = selection.topk
             if chosen is not None:
                 entries = cast(cache.entries[:, :n], q.dtype)
-        if s == 1:
-            key_ok = None
-            if not step.window_unclipped(w):
-                slot_pos = step.start[:, None] - (
-                    step.start[:, None] - torch.arange(w, device=x.device)
-                ).remainder(w)
-                key_ok = slot_pos >= step.floors[:, None].clamp(min=0)
-            o = decode_attention(q, win_keys, key_ok, self.sinks, entries, None, chosen)
-        else:
-            o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen)
+        o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
         g = self.o_groups
         grouped = o.reshape(b * s, g, -1)
+        if b * s < MIN_GEMM_ROWS:  # see `linear`
+            grouped = torch.cat([grouped, grouped[:1].expand(MIN_GEMM_ROWS - b * s, -1, -1)])
         wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1).reshape(b, s, -1)
+        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)[: b * s].reshape(b, s, -1)
         return self.o_b_proj(z)
 
     def _compress(self, x: torch.Tensor, step: Step, cache: LayerCacheView) -> None:
@@ -273,7 +274,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV41Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self._freqs: dict[str, torch.Tensor] = {}
         self._freqs_device: torch.device | None = None
 
@@ -317,7 +318,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def head(self, state: Residual) -> torch.Tensor:
         """Final collapse with the last pre-mix, norm, float32 logits [B, S, vocab]."""
         hidden = self.model.norm(hc_collapse(state.streams, state.pre_mix))
-        return F.linear(hidden.float(), self.lm_head.weight.float())
+        return linear(hidden.float(), self.lm_head.weight.float())
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
         """A plain forward of S new tokens per row: every layer over every row."""
