@@ -31,11 +31,14 @@ def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> tuple[torch.Tensor, 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T whose value for a row does not depend on how many rows come with it."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] >= MIN_GEMM_ROWS:
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows >= MIN_GEMM_ROWS or rows == 0:
         return F.linear(x, weight)
-    padded, m = pad_rows(flat)
-    return F.linear(padded, weight)[:m].reshape(*x.shape[:-1], weight.shape[0])
+    if rows == 1:  # decode: one op to widen, one to narrow
+        return F.linear(x.reshape(1, k).expand(MIN_GEMM_ROWS, k), weight)[:1].view(*x.shape[:-1], -1)
+    padded, m = pad_rows(x.reshape(rows, k))
+    return F.linear(padded, weight)[:m].view(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
