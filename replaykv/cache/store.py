@@ -235,6 +235,12 @@ class GlobalKVStore(ABC):
 class _Entry:
     size: int  # bytes on disk, header included
     last_access: float
+    disk_access: float = 0.0  # the access time last written to the file (recency across restarts)
+
+
+# A read refreshes the file's access time at most this often: recency across a restart needs
+# minutes, not every read (the in-memory index always has the exact last access).
+_ACCESS_PERSIST_S = 60.0
 
 
 @dataclass(eq=False)
@@ -753,13 +759,20 @@ class DirectoryStore(GlobalKVStore):
             return None
         path = self._path_for(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                fd = f.fileno()
+            fd = os.open(path, os.O_RDONLY)
+            try:
                 st = os.fstat(fd)
                 result = self._read_verified(fd, st.st_size, key)
-                if not self.read_only and not isinstance(result, str):
+                if (
+                    not self.read_only
+                    and not isinstance(result, str)
+                    and now - entry.disk_access > _ACCESS_PERSIST_S
+                ):
                     with contextlib.suppress(OSError):
                         os.utime(fd, (now, now))  # recency survives a restart; no second path walk
+                    entry.disk_access = now
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             # Evicted, deleted or replaced under us: a plain miss.
             with self._lock:
