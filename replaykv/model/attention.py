@@ -175,6 +175,18 @@ def joint_attention(
     return out
 
 
+def grouped_projection(o: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """The block-diagonal first half of the output projection: heads in `groups` contiguous
+    groups, each projected by its slice of `weight` [G·o_lora, H·D/G]. o [B, S, H, D] ->
+    [B, S, G·o_lora]. Few rows are padded as in `linear`."""
+    b, s = o.shape[:2]
+    grouped = o.reshape(b * s, groups, -1)
+    if b * s < MIN_GEMM_ROWS:
+        grouped = torch.cat([grouped, grouped[:1].expand(MIN_GEMM_ROWS - b * s, -1, -1)])
+    wa = weight.view(groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
+    return torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)[: b * s].reshape(b, s, -1)
+
+
 class Attention(nn.Module):
     """One DeepSeek-V4 attention block (transformers' parameter names under `self_attn.`)."""
 
@@ -256,10 +268,4 @@ class Attention(nn.Module):
 
         o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
-        g = self.o_groups
-        grouped = o.reshape(b * s, g, -1)
-        if b * s < MIN_GEMM_ROWS:  # see `linear`
-            grouped = torch.cat([grouped, grouped[:1].expand(MIN_GEMM_ROWS - b * s, -1, -1)])
-        wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)[: b * s].reshape(b, s, -1)
-        return self.o_b_proj(z)
+        return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replaykv.model.attention import _BLOCK_BUDGET, index_dots, joint_attention
+from replaykv.model.attention import _BLOCK_BUDGET, grouped_projection, index_dots, joint_attention
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.compressor import (
     Compressor,
@@ -34,7 +34,6 @@ from replaykv.model.compressor import (
 )
 from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.layers import (
-    MIN_GEMM_ROWS,
     HyperConnection,
     Linear,
     MoEV41,
@@ -208,13 +207,7 @@ class AttentionV41(nn.Module):
                 entries = cast(cache.entries[:, :n], q.dtype)
         o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
-        g = self.o_groups
-        grouped = o.reshape(b * s, g, -1)
-        if b * s < MIN_GEMM_ROWS:  # see `linear`
-            grouped = torch.cat([grouped, grouped[:1].expand(MIN_GEMM_ROWS - b * s, -1, -1)])
-        wa = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        z = torch.bmm(grouped.transpose(0, 1), wa.transpose(1, 2)).transpose(0, 1)[: b * s].reshape(b, s, -1)
-        return self.o_b_proj(z)
+        return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups))
 
     def _compress(self, x: torch.Tensor, step: Step, cache: LayerCacheView) -> None:
         """New groups -> index keys (from the pre-RoPE latents) and FP4 entries at position g·r."""
