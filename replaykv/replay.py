@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from replaykv.model.spec import ModelSpec
 
 MISS_STRATEGIES = ("bounded", "exact", "truncate", "full")
+FAULTS = ("window_untruncated", "drop_global_kv")
+"""Deliberately wrong replays an engine can be started with (EngineConfig.fault), so that an
+acceptance contract can be shown to catch them; never used in a real deployment."""
 
 
 @dataclass(frozen=True)

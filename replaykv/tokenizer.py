@@ -45,6 +45,26 @@ class ByteTokenizer:
                 out.append(i)
         return out.decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        """A unique printable name of one token: ASCII bytes as themselves, other bytes as
+        ``bytes:\\xNN`` (OpenAI's convention for partial characters), specials by name, ids of a
+        padded model vocabulary beyond the tokenizer's as ``<|unused_N|>``."""
+        if 0 <= token_id < 128:
+            return chr(token_id)
+        if 128 <= token_id < 256:
+            return f"bytes:\\x{token_id:02x}"
+        if 256 <= token_id < self.vocab_size:
+            return self.specials[token_id - 256]
+        if token_id < 0:
+            raise ValueError(f"token id {token_id} is negative")
+        return f"<|unused_{token_id}|>"  # a model vocabulary padded past the tokenizer's
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The bytes a token stands for (a special's name in UTF-8)."""
+        if 0 <= token_id < 256:
+            return [token_id]
+        return list(self.token_text(token_id).encode("utf-8"))
+
     def save(self, directory: str | Path) -> None:
         spec = {"type": "byte", "specials": list(self.specials)}
         (Path(directory) / "tokenizer.json").write_text(json.dumps(spec, indent=2) + "\n")

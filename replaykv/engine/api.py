@@ -48,6 +48,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each emitted token's logprob + the k most likely
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of an emitted token under the distribution it was drawn from (the
+    model's, before temperature / top-k / top-p), and the `k` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     accounting: Accounting | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass
@@ -101,6 +113,7 @@ class Result:
     accounting: Accounting | None = None
     ttft_s: float = 0.0
     latency_s: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class EngineAPI(abc.ABC):
@@ -121,6 +134,11 @@ class EngineAPI(abc.ABC):
     @abc.abstractmethod
     def cache_stats(self) -> dict[str, Any]:
         """Per-ledger statistics (admin endpoint)."""
+
+    @abc.abstractmethod
+    def flush_writeback(self) -> None:
+        """Wait until the write-back of every finished request is done (a sync point for
+        harnesses and tests; admin endpoint)."""
 
     @abc.abstractmethod
     def flush_swa_pool(self) -> None:

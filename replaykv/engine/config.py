@@ -14,7 +14,7 @@ from pathlib import Path
 
 from replaykv.cache.manager import WRITE_POLICIES
 from replaykv.cache.swa_pool import SWA_POOL_BACKENDS
-from replaykv.replay import MISS_STRATEGIES, ReplayFlags, ReplayOptionError, check_engine_options
+from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags, ReplayOptionError, check_engine_options
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -47,6 +47,11 @@ class EngineConfig:
     ``device_pool_bytes`` (0 disables the device pool); ``chunk_size`` tokens per global-KV chunk
     (a multiple of every compression ratio); ``write_policy`` "v41" (snapshots only in the SWA
     pool) or "v4" (also persisted); ``writeback_queue`` jobs queued for background write-back.
+
+    Fault injection (``fault``, None in any real deployment): a deliberately wrong replay, so that
+    an acceptance contract can be shown to catch it. "window_untruncated": bounded replay runs
+    without its window floor and reads the stale window rings a missing snapshot leaves (filled
+    with junk); "drop_global_kv": the cached global KV of a hit is zeroed after it is loaded.
     """
 
     model_dir: str | None = None
@@ -79,6 +84,7 @@ class EngineConfig:
     chunk_size: int = 256
     write_policy: str = "v41"
     writeback_queue: int = 64
+    fault: str | None = None
 
     def __post_init__(self) -> None:
         if self.model_dir is not None and not Path(self.model_dir).is_dir():
@@ -131,6 +137,8 @@ class EngineConfig:
             raise ValueError(f"device_pool_bytes must be >= 0 (0 = off); got {self.device_pool_bytes}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of tokens; got {self.chunk_size}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS} or None; got {self.fault!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}; got {self.write_policy!r}")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import math
 import re
@@ -65,10 +66,12 @@ from replaykv.engine.api import (
     RequestHandle,
     Result,
     SamplingParams,
+    TokenLogprob,
 )
 from replaykv.engine.config import EngineConfig
 from replaykv.engine.runner import _gather, _Piece
-from replaykv.engine.sampling import OutputStream, Sampler, check_sampling
+from replaykv.engine.sampling import OutputStream, Sampler, check_sampling, token_logprob
+from replaykv.engine.scenario import drop_snapshot
 from replaykv.model.cache_view import CacheView, CompressorCarry, LayerCacheView
 from replaykv.model.spec import ModelSpec
 from replaykv.model.step import Residual, Selection
@@ -180,6 +183,7 @@ class EngineHandle(RequestHandle):
             accounting=last.accounting,
             ttft_s=(self.first_token_at - self.submitted_at) if self.first_token_at is not None else 0.0,
             latency_s=end - self.submitted_at,
+            logprobs=[lp for d in deltas for lp in d.logprobs],
         )
 
     def cancel(self) -> None:
@@ -630,6 +634,8 @@ class Engine(EngineAPI):
                 reasons += (f"no compressor carry at {cut}: the hit is used up to {hit}",)
         state = CacheState(len(tokens), global_hit=hit, snapshot_at=(hit,) if snapshot and hit else ())
         plan = plan_prefill(state, self.spec, w.flags)
+        if self.config.fault is not None:
+            plan = self._inject_fault(plan, view)
         accounting = Accounting(
             path=plan.path,
             prompt_tokens=len(tokens),
@@ -664,6 +670,20 @@ class Engine(EngineAPI):
         if accounting.snapshot_hit:
             m.snapshot_hits.inc()
         return r
+
+    def _inject_fault(self, plan: PrefillPlan, view: CacheView) -> PrefillPlan:
+        """The configured deliberate fault (EngineConfig.fault), applied to one request's plan."""
+        if self.config.fault == "window_untruncated" and plan.path == "bounded":
+            drop_snapshot(view, seed=len(plan.segments))
+            return dataclasses.replace(
+                plan, segments=tuple(dataclasses.replace(g, window_floor=0) for g in plan.segments)
+            )
+        if self.config.fault == "drop_global_kv" and plan.use_global:
+            for layer in view.layers:
+                for t in (layer.entries, layer.index_keys):
+                    if t is not None:
+                        t.zero_()
+        return plan
 
     # ---------------------------------------------------------------- prefill
     def _run_prefill(self) -> None:
@@ -731,7 +751,7 @@ class Engine(EngineAPI):
         self._commit(r, r.tokens)
         self._prefilling.remove(r)
         self.metrics.prefilled_prompt_tokens.inc(s_len)
-        finish = self._accept(r, r.sampler.sample(logits))
+        finish = self._accept(r, logits)
         if finish is not None:
             self._complete(r, *finish)
             return
@@ -774,20 +794,28 @@ class Engine(EngineAPI):
         self.metrics.decode_seconds += time.perf_counter() - t0
         self.metrics.decode_steps.inc()
         self.metrics.decode_tokens.inc(n)
-        finishing: list[tuple[_Active, tuple[str, tuple[int, ...], str], str | None]] = []
+        finishing: list[
+            tuple[_Active, tuple[str, tuple[int, ...], str, tuple[TokenLogprob, ...]], str | None]
+        ] = []
         for i, r in enumerate(rows):
             try:
-                finish = self._accept(r, r.sampler.sample(logits[i]))
+                finish = self._accept(r, logits[i])
             except Exception as exc:  # e.g. non-finite logits under sampling: fail this request only
-                finishing.append((r, ("error", (), ""), f"sampling failed: {exc!r}"))
+                finishing.append((r, ("error", (), "", ()), f"sampling failed: {exc!r}"))
                 continue
             if finish is not None:
                 finishing.append((r, finish, None))
         for r, finish, error in sorted(finishing, key=lambda item: -item[0].row):
             self._complete(r, *finish, error=error)
 
-    def _accept(self, r: _Active, token: int) -> tuple[str, tuple[int, ...], str] | None:
-        """Push a sampled token; emits a delta unless the request ends (then returns its end)."""
+    def _accept(
+        self, r: _Active, logits: torch.Tensor
+    ) -> tuple[str, tuple[int, ...], str, tuple[TokenLogprob, ...]] | None:
+        """Sample from ``logits`` and push the token; emits a delta unless the request ends (then
+        returns its end: reason, ids, text, logprobs)."""
+        token = r.sampler.sample(logits)
+        k = r.request.sampling.logprobs
+        lps: tuple[TokenLogprob, ...] = ()
         now = time.monotonic()
         if r.handle.first_token_at is None:
             r.handle.first_token_at = now
@@ -796,11 +824,13 @@ class Engine(EngineAPI):
             self.metrics.itl.observe(now - r.last_token_at)
         r.last_token, r.last_token_at = token, now
         ids, text, reason = r.output.push(token)
+        if k is not None and ids:
+            lps = (token_logprob(logits, token, k),)
         if reason is None:
             if ids or text:
-                r.handle._put(Delta(token_ids=ids, text=text))
+                r.handle._put(Delta(token_ids=ids, text=text, logprobs=lps))
             return None
-        return reason, ids, text
+        return reason, ids, text, lps
 
     # ---------------------------------------------------------------- rows and completion
     def _move_row(self, src: int, dst: int) -> None:
@@ -840,7 +870,13 @@ class Engine(EngineAPI):
             self.metrics.commit_errors.inc()
 
     def _complete(
-        self, r: _Active, reason: str, ids: tuple[int, ...] = (), text: str = "", error: str | None = None
+        self,
+        r: _Active,
+        reason: str,
+        ids: tuple[int, ...] = (),
+        text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
+        error: str | None = None,
     ) -> None:
         if reason in ("stop", "length") and len(r.output.sampled) > 1:
             # The model has processed the prompt and every sampled token but the last.
@@ -855,6 +891,7 @@ class Engine(EngineAPI):
                 finish_reason=reason,
                 accounting=r.accounting,
                 error=error,
+                logprobs=logprobs,
             ),
         )
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from replaykv.engine.api import SamplingParams
+from replaykv.engine.api import SamplingParams, TokenLogprob
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -38,6 +38,10 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"seed must be a non-negative integer or None; got {params.seed!r}")
     if any(not isinstance(s, str) or not s for s in params.stop):
         raise ValueError(f"stop strings must be non-empty strings; got {params.stop!r}")
+    if params.logprobs is not None and (
+        not isinstance(params.logprobs, int) or not 0 <= params.logprobs <= vocab_size
+    ):
+        raise ValueError(f"logprobs must be an integer in [0, {vocab_size}] or None; got {params.logprobs!r}")
     bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
@@ -71,6 +75,17 @@ class Sampler:
             x[order[drop]] = float("-inf")
         probs = torch.softmax(x, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """`token`'s log-probability under float32 `logits` [vocab] and the `k` most likely tokens
+    (ties broken by the lower id, so the list is the same on every run)."""
+    lp = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        order = torch.argsort(-lp, stable=True)[:k]  # stable: equal values keep the lower id first
+        top = tuple(zip(order.tolist(), lp[order].tolist(), strict=True))
+    return TokenLogprob(token, float(lp[token]), top)
 
 
 class OutputStream:

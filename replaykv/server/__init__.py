@@ -117,6 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"SWA pool {config.swa_pool or 'off'}, store {config.store_dir or 'off'}",
             flush=True,
         )
+        if config.fault is not None:
+            print(
+                f"replaykv: WARNING: fault {config.fault!r} injected: replay is deliberately wrong "
+                "(for testing acceptance contracts only)",
+                flush=True,
+            )
         if not server_settings.auth_enabled:
             print(
                 "replaykv: no --api-key given: no authentication, every request is tenant 'default'",

@@ -30,7 +30,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -42,7 +43,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from replaykv.engine.api import EngineAPI, EngineError, QueueFull, Request, RequestHandle, SamplingParams
+from replaykv.engine.api import (
+    EngineAPI,
+    EngineError,
+    QueueFull,
+    Request,
+    RequestHandle,
+    SamplingParams,
+    TokenLogprob,
+)
 from replaykv.server import schemas
 from replaykv.server.chat import ChatTemplate, ChatTemplateError
 from replaykv.server.metrics import HttpMetrics
@@ -310,6 +319,7 @@ class _Service:
         prefix: str,
         stop_ids: tuple[int, ...] = (),
         stop_strings: tuple[str, ...] = (),
+        logprobs: int | None = None,
     ) -> tuple[str, RequestHandle]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         sampling = SamplingParams(
@@ -321,6 +331,7 @@ class _Service:
             stop=body.stop_list + stop_strings,
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
         tenant: str = http.scope.get("state", {}).get("tenant", DEFAULT_TENANT)
         request = Request(tuple(ids), sampling, salt=tenant_salt(tenant), request_id=rid)
@@ -328,25 +339,27 @@ class _Service:
 
     # ---- running -------------------------------------------------------------------------------
 
-    async def collect(self, http: HttpRequest, handle: RequestHandle) -> tuple[str, list[int], str, Any]:
-        """Drain `handle` (text, token ids, finish reason, accounting); cancel it if the client
-        goes away."""
+    async def collect(self, http: HttpRequest, handle: RequestHandle) -> Collected:
+        """Drain `handle` (text, token ids, finish reason, accounting, logprobs); cancel it if the
+        client goes away."""
 
-        async def drain() -> tuple[str, list[int], str, Any]:
+        async def drain() -> Collected:
             text: list[str] = []
             ids: list[int] = []
+            lps: list[TokenLogprob] = []
             async for d in handle:
                 text.append(d.text)
                 ids += d.token_ids
+                lps += d.logprobs
                 if d.finished:
                     if d.error or d.finish_reason == "error":
                         raise ApiError(
                             500, f"generation failed: {d.error or 'engine error'}", code="engine_error"
                         )
-                    return "".join(text), ids, d.finish_reason or "stop", d.accounting
+                    return Collected("".join(text), ids, d.finish_reason or "stop", d.accounting, lps)
             raise ApiError(500, "the engine ended the request without a result", code="engine_error")
 
-        task = asyncio.ensure_future(drain())
+        task: asyncio.Future[Collected] = asyncio.ensure_future(drain())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -361,6 +374,9 @@ class _Service:
             task.cancel()
             raise
 
+    def chat_logprobs(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return schemas.chat_logprobs(lps, self.tokenizer.token_text, self.tokenizer.token_bytes)
+
     def _gone(self, http: HttpRequest, handle: RequestHandle) -> None:
         handle.cancel()
         self.metrics.disconnects.inc()
@@ -374,18 +390,29 @@ class _Service:
         chat: bool,
         body: schemas._Sampling,
         n_prompt: int,
+        want_lps: bool = False,
     ) -> AsyncIterator[str]:
         """SSE events of `handle`; a client that stops reading cancels it."""
-        name, n, ended = self.model_name, 0, False
+        name, n, ended, offset = self.model_name, 0, False, 0
 
         def chunk(
-            text: str | None, finish: str | None, use: dict[str, Any] | None, ids: tuple[int, ...] = ()
+            text: str | None,
+            finish: str | None,
+            use: dict[str, Any] | None,
+            ids: tuple[int, ...] = (),
+            lps: tuple[TokenLogprob, ...] = (),
         ) -> dict[str, Any]:
+            nonlocal offset
             if chat:
                 delta = None if text is None else ({"content": text} if text or finish is None else {})
-                out = schemas.chat_chunk(rid, name, delta, finish, use)
+                lp = self.chat_logprobs(lps) if want_lps and text is not None else None
+                out = schemas.chat_chunk(rid, name, delta, finish, use, lp)
             else:
-                out = schemas.completion(rid, name, text or "", finish, use, chunk=True)
+                lp = None
+                if want_lps and text is not None:
+                    lp = schemas.completion_logprobs(lps, self.tokenizer.token_text, offset)
+                    offset += sum(len(t) for t in lp["tokens"])
+                out = schemas.completion(rid, name, text or "", finish, use, chunk=True, logprobs=lp)
                 if text is None:
                     out["choices"] = []
             if body.return_token_ids and out["choices"]:
@@ -404,18 +431,31 @@ class _Service:
                     else:
                         use = schemas.usage(n_prompt, n, d.accounting)
                         last_use = None if body.include_usage else use
-                        yield _data(chunk(d.text, d.finish_reason or "stop", last_use, d.token_ids))
+                        yield _data(
+                            chunk(d.text, d.finish_reason or "stop", last_use, d.token_ids, d.logprobs)
+                        )
                         if body.include_usage:
                             yield _data(chunk(None, None, use))
                     ended = True
                     break
-                if d.text or (body.return_token_ids and d.token_ids):
-                    yield _data(chunk(d.text, None, None, d.token_ids))
+                if d.text or ((body.return_token_ids or want_lps) and d.token_ids):
+                    yield _data(chunk(d.text, None, None, d.token_ids, d.logprobs))
             ended = True
             yield "data: [DONE]\n\n"
         finally:
             if not ended:
                 self._gone(http, handle)
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A finished request as the non-streaming endpoints answer it."""
+
+    text: str
+    ids: list[int]
+    finish: str
+    accounting: Any
+    logprobs: list[TokenLogprob]
 
 
 def _with_ids(
@@ -475,17 +515,21 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
             svc.encode(body.prompt, "prompt", bos=True) if isinstance(body.prompt, str) else list(body.prompt)
         )
         max_tokens = svc.budget(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        rid, handle = svc.submit(http, body, ids, max_tokens, "cmpl")
+        rid, handle = svc.submit(http, body, ids, max_tokens, "cmpl", logprobs=body.logprobs)
         if body.stream:
-            events = svc.stream(http, handle, rid, False, body, len(ids))
+            events = svc.stream(http, handle, rid, False, body, len(ids), body.logprobs is not None)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        text, out_ids, finish, acc = await svc.collect(http, handle)
+        got = await svc.collect(http, handle)
+        lp = None
+        if body.logprobs is not None:
+            lp = schemas.completion_logprobs(got.logprobs, svc.tokenizer.token_text)
         response = schemas.completion(
-            rid, svc.model_name, text, finish, schemas.usage(len(ids), len(out_ids), acc)
-        )
-        return JSONResponse(_with_ids(response, body, ids, out_ids))
+            rid, svc.model_name, got.text, got.finish, schemas.usage(len(ids), len(got.ids), got.accounting),
+            logprobs=lp,
+        )  # fmt: skip
+        return JSONResponse(_with_ids(response, body, ids, got.ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatCompletionRequest, http: HttpRequest) -> Response:
@@ -506,17 +550,19 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
             svc.template.stop_token_ids(svc.tokenizer),
             svc.template.stop_strings(svc.tokenizer),
         )
-        rid, handle = svc.submit(http, body, ids, max_tokens, "chatcmpl", stop_ids, stop_strings)
+        rid, handle = svc.submit(
+            http, body, ids, max_tokens, "chatcmpl", stop_ids, stop_strings, logprobs=body.logprobs_k
+        )
         if body.stream:
-            events = svc.stream(http, handle, rid, True, body, len(ids))
+            events = svc.stream(http, handle, rid, True, body, len(ids), body.logprobs_k is not None)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        text, out_ids, finish, acc = await svc.collect(http, handle)
-        use = schemas.usage(len(ids), len(out_ids), acc)
-        return JSONResponse(
-            _with_ids(schemas.chat_completion(rid, svc.model_name, text, finish, use), body, ids, out_ids)
-        )
+        got = await svc.collect(http, handle)
+        use = schemas.usage(len(ids), len(got.ids), got.accounting)
+        lp = svc.chat_logprobs(got.logprobs) if body.logprobs_k is not None else None
+        response = schemas.chat_completion(rid, svc.model_name, got.text, got.finish, use, lp)
+        return JSONResponse(_with_ids(response, body, ids, got.ids))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -553,6 +599,11 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     async def flush_swa_pool() -> dict[str, Any]:
         await run_in_threadpool(engine.flush_swa_pool)
         return {"status": "ok", "flushed": "swa_pool"}
+
+    @app.post("/admin/flush_writeback")
+    async def flush_writeback() -> dict[str, Any]:
+        await run_in_threadpool(engine.flush_writeback)
+        return {"status": "ok", "flushed": "writeback"}
 
     @app.post("/admin/flush_all")
     async def flush_all() -> dict[str, Any]:

@@ -3,8 +3,11 @@
 Requests are pydantic models with ``extra="forbid"`` and ``strict=True``: an unknown field, a
 string where a number belongs, ``true`` as a token id or a NaN temperature are all 400s (the
 app turns validation errors into OpenAI's error shape). OpenAI options this server cannot
-honour (``n`` > 1, ``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``)
-are accepted only at their neutral value and otherwise refused with a message naming them.
+honour (``n`` > 1, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``) are accepted
+only at their neutral value and otherwise refused with a message naming them. Log-probabilities
+of generated tokens are served (completions ``logprobs``: k; chat ``logprobs`` + ``top_logprobs``;
+k ≤ 20), under the model's distribution before temperature / top-k / top-p; token names are
+unique (bytes that are not ASCII read ``bytes:\\xNN``, specials by name).
 ``cache_salt`` (and ``salt``, ``tenant``) is refused: the server derives the cache salt from
 the API key, so a client can never pick another tenant's. ``user`` is accepted and ignored.
 
@@ -20,18 +23,22 @@ see :mod:`replaykv.server.app`).
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from replaykv.engine.api import Accounting
+from replaykv.engine.api import Accounting, TokenLogprob
 
 SERVER_SIDE_FIELDS = ("cache_salt", "salt", "tenant")
 """Fields a client might send to choose a cache namespace; always refused (400)."""
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
 
 
 class _Body(BaseModel):
@@ -108,20 +115,19 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: `prompt` is a string (BOS is put first) or a list of token ids."""
 
     prompt: str | Annotated[list[TokenId], Field(min_length=1)]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     _NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_Sampling._NEUTRAL,
-        "logprobs": (None,),
         "echo": (False,),
         "best_of": (None, 1),
         "suffix": (None,),
     }
 
-    @field_validator("logprobs", "echo", "best_of", "suffix")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
     def _neutral_c(cls, value: Any, info: ValidationInfo) -> Any:
         return cls._only_neutral(value, str(info.field_name))
@@ -153,18 +159,18 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    _NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_Sampling._NEUTRAL,
-        "logprobs": (None, False),
-        "top_logprobs": (None, 0),
-    }
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _neutral_chat(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls._only_neutral(value, str(info.field_name))
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for the engine (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -206,6 +212,38 @@ def usage(prompt_tokens: int, completion_tokens: int, acc: Accounting | None) ->
     return out
 
 
+def completion_logprobs(
+    lps: Sequence[TokenLogprob], name: Callable[[int], str], offset: int = 0
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of `lps` (``text_offset`` counts token names
+    from `offset`)."""
+    tokens = [name(lp.token_id) for lp in lps]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{name(i): v for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    lps: Sequence[TokenLogprob], name: Callable[[int], str], raw: Callable[[int], list[int]]
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object of `lps`."""
+    return {
+        "content": [
+            {
+                "token": name(lp.token_id),
+                "logprob": lp.logprob,
+                "bytes": raw(lp.token_id),
+                "top_logprobs": [{"token": name(i), "logprob": v, "bytes": raw(i)} for i, v in lp.top],
+            }
+            for lp in lps
+        ]
+    }
+
+
 def completion(
     rid: str,
     model: str,
@@ -213,9 +251,10 @@ def completion(
     finish_reason: str | None,
     use: dict[str, Any] | None,
     chunk: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A text completion, or one chunk of a streamed one (``usage`` only where given)."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     out: dict[str, Any] = {
         "id": rid,
         "object": "text_completion",
@@ -229,7 +268,12 @@ def completion(
 
 
 def chat_completion(
-    rid: str, model: str, text: str, finish_reason: str | None, use: dict[str, Any] | None
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    use: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -240,7 +284,7 @@ def chat_completion(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -249,13 +293,18 @@ def chat_completion(
 
 
 def chat_chunk(
-    rid: str, model: str, delta: dict[str, Any] | None, finish_reason: str | None, use: dict[str, Any] | None
+    rid: str,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None,
+    use: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chat chunk; ``delta=None`` gives the usage-only chunk (``choices: []``)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     out: dict[str, Any] = {
         "id": rid,

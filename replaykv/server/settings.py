@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from replaykv.replay import MISS_STRATEGIES, ReplayFlags
+from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags
 
 if TYPE_CHECKING:
     from replaykv.engine.config import EngineConfig
@@ -146,6 +146,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", _to_str, None, "weights and caches dtype", choices=("float32", "bfloat16", "float16"), engine=True),
     Option("device", _to_str, None, "torch device, e.g. cpu or cuda", engine=True),
     Option("seed", _to_int, None, "seed of a preset's random weights and of sampling", engine=True),
+    Option("inject_fault", _to_str, None, "a deliberately wrong replay, to test acceptance contracts (never in production)", choices=FAULTS, engine=True),
 )
 # fmt: on
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -156,6 +157,7 @@ ENGINE_FIELDS = {
     "context_length": "max_context",
     "swa_pool_ttl": "swa_pool_ttl_s",
     "cache_dir": "store_dir",
+    "inject_fault": "fault",
 }
 """Setting name → EngineConfig field, where they differ (settings follow SGLang's flag names)."""
 _REPLAY_OPTIONS = (

@@ -156,6 +156,9 @@ class FakeEngine(EngineAPI):
     def cache_stats(self) -> dict[str, Any]:
         return {"tenants": len(self.seen), "sequences": sum(len(v) for v in self.seen.values())}
 
+    def flush_writeback(self) -> None:
+        self.calls.append("flush_writeback")
+
     def flush_swa_pool(self) -> None:
         self.calls.append("flush_swa_pool")
 

@@ -5,6 +5,7 @@ errors as 4xx, and the `replaykv serve` command itself."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import re
 import subprocess
@@ -196,3 +197,44 @@ def test_serve_command(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_logprobs_match_the_engine_and_streaming(tmp_path: Path, servers: list[LiveServer]) -> None:
+    live = start(tmp_path / "lp", *REPLAY_OFF)
+    servers.append(live)
+    c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=60)
+    prompt = [256, *b"The window keeps the last tokens; the global KV keeps the rest."]
+    kw: dict[str, Any] = {"model": live.engine.model_name, "max_tokens": 6, "temperature": 0}
+    r = c.completions.create(prompt=prompt, logprobs=5, extra_body={"return_token_ids": True}, **kw)
+    lp = r.choices[0].logprobs
+    ids = r.choices[0].model_extra["token_ids"]
+    assert lp is not None and len(lp.tokens) == len(ids) == len(lp.token_logprobs) == 6
+    tok = live.engine.tokenizer
+    for i, chosen, top in zip(ids, lp.token_logprobs, lp.top_logprobs or [], strict=True):
+        values = list(top.values())
+        assert len(top) == 5 and values == sorted(values, reverse=True)
+        # greedy: the chosen token is the most likely one, with its own logprob
+        assert next(iter(top)) == tok.token_text(i) and chosen == pytest.approx(values[0])
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-5
+    # the engine's own values for the same request
+    from replaykv.engine.api import Request, SamplingParams
+
+    res = live.engine.generate(
+        Request(tuple(prompt), SamplingParams(max_tokens=6, temperature=0, logprobs=5))
+    )
+    assert [x.token_id for x in res.logprobs] == ids
+    assert [x.logprob for x in res.logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    # streamed chunks carry the same logprobs
+    streamed: list[float] = []
+    for ch in c.completions.create(prompt=prompt, logprobs=5, stream=True, **kw):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.token_logprobs or []
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    # chat: logprobs + top_logprobs, and no logprobs unless asked
+    msgs: list[Any] = [{"role": "user", "content": "Which tokens does bounded replay run?"}]
+    rc = c.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=3, **kw)
+    content = rc.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+    for t in content:
+        assert t.bytes and (len(t.bytes) > 1 or tok.token_text(t.bytes[0]) == t.token)
+    assert c.chat.completions.create(messages=msgs, **kw).choices[0].logprobs is None
