@@ -11,10 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-_NOT_YET = {
-    "accept": "the acceptance harness",
-}
-
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
@@ -151,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _plan(a.rest))
 
+    sp = sub.add_parser(
+        "accept", help="run an acceptance contract (see `replaykv accept --help`)", add_help=False
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _accept(a.rest))
+
+    sp = sub.add_parser("train", help="train the small model (see `replaykv train --help`)", add_help=False)
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _train(a.rest))
+
     sp = sub.add_parser("store", help="operate on a persistent global-KV store: stats, verify, gc")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _store(a.rest))
@@ -161,10 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _serve(a.rest))
 
-    for name, what in _NOT_YET.items():
-        sp = sub.add_parser(name, help=f"{what} (not implemented yet)")
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
-        sp.set_defaults(func=lambda a, n=name, w=what: _not_yet(n, w))
     return p
 
 
@@ -186,9 +188,10 @@ def _plan(rest: list[str]) -> int:
     return int(plan_main(rest))
 
 
-def _not_yet(name: str, what: str) -> int:
-    print(f"error: `replaykv {name}` ({what}) is not implemented yet", file=sys.stderr)
-    return 2
+def _accept(rest: list[str]) -> int:
+    from replaykv.accept.cli import main as accept_main
+
+    return int(accept_main(rest))
 
 
 def _train(rest: list[str]) -> int:
@@ -197,7 +200,7 @@ def _train(rest: list[str]) -> int:
     return int(train_main(rest))
 
 
-_PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve, "train": _train}
+_PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve, "train": _train, "accept": _accept}
 
 
 def main(argv: list[str] | None = None) -> int:

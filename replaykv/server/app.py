@@ -329,7 +329,7 @@ class _Service:
             top_k=max(body.top_k, 0),
             seed=body.seed,
             stop=body.stop_list + stop_strings,
-            stop_token_ids=stop_ids,
+            stop_token_ids=tuple(stop_ids) + tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
         )

@@ -11,8 +11,8 @@ unique (bytes that are not ASCII read ``bytes:\\xNN``, specials by name).
 ``cache_salt`` (and ``salt``, ``tenant``) is refused: the server derives the cache salt from
 the API key, so a client can never pick another tenant's. ``user`` is accepted and ignored.
 
-Extensions beyond OpenAI (vLLM's names): ``top_k`` (0 or -1 = off), ``ignore_eos`` and
-``return_token_ids`` (the response then carries ``prompt_token_ids`` and each choice, or each
+Extensions beyond OpenAI (vLLM's names): ``top_k`` (0 or -1 = off), ``ignore_eos``,
+``stop_token_ids`` (token ids that end the request, beside end-of-text) and ``return_token_ids`` (the response then carries ``prompt_token_ids`` and each choice, or each
 streamed chunk, its ``token_ids``). Each response's
 ``usage`` carries ``prompt_tokens_details.cached_tokens`` and a ``replaykv`` object (path,
 replayed tokens, prefill work).
@@ -79,6 +79,7 @@ class _Sampling(_Body):
     user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
 
     _NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "n": (1,),

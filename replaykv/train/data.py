@@ -114,19 +114,27 @@ class Corpus:
 
 
 def load_corpus(
-    root: str | Path | None = None, max_files: int | None = None, seed: int = 0, heldout_percent: int = 5
+    root: str | Path | None = None,
+    max_files: int | None = None,
+    seed: int = 0,
+    heldout_percent: int = 5,
+    splits: tuple[str, ...] = SPLITS,
 ) -> dict[str, Corpus]:
-    """Both splits of the corpus under `root` (default: this Python's standard library), documents
-    shuffled with `seed` (every recipe uses the default, so held-out cases are the same for all)."""
+    """The splits of the corpus under `root` (default: this Python's standard library), documents
+    shuffled with `seed` (every recipe uses the default, so held-out cases are the same for all).
+    A split's contents do not depend on which other splits are loaded."""
     import platform
 
     base = Path(root) if root is not None else stdlib_root()
     parts: dict[str, tuple[list[bytes], list[bytes], hashlib._Hash, list[str]]] = {
-        s: ([], [], hashlib.sha256(), []) for s in SPLITS
+        s: ([], [], hashlib.sha256(), []) for s in splits
     }
     for rel in list_files(base, max_files):
+        split = split_of(rel, heldout_percent)
+        if split not in parts:
+            continue
         data = (base / rel).read_bytes().replace(b"\0", b" ")
-        code, prose, digest, names = parts[split_of(rel, heldout_percent)]
+        code, prose, digest, names = parts[split]
         digest.update(rel.encode() + b"\0" + data)
         names.append(rel)
         code.append(data)

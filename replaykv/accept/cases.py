@@ -1,0 +1,214 @@
+"""The matrix as concrete prompts: cells, and per cell the cases with their cut points.
+
+A :class:`Cell` is one combination of task, cut position, context length, uncached suffix and
+output length. A :class:`Case` is one prompt of a cell: the token ids a request sends, the cut H
+(the cached prefix [0, H) an earlier request leaves), the shifted cuts of the "shift" state, the
+answer and how to score it. Prompts come from the held-out generators of
+:mod:`replaykv.train.tasks` (filler from the held-out split of the corpus), seeded from the
+contract's seed and the cell, so a contract always runs the same prompts.
+
+Cut positions (W = the model's sliding window, S = the prompt length, e = evidence end):
+    end            S minus the suffix (short: the question turn; empty: the last token only,
+                   which is always computed; long: a tool-result-sized tail); for multi_turn,
+                   the end of the first turn
+    start          64 (the replay span reaches the beginning of the prompt)
+    window_before  W - 1;  window_after  W + 1 (either side of the span's clamp at 0)
+    boundary       e + W: the evidence ends exactly where the bounded-replay span begins
+
+Not for: running the prompts (see :mod:`replaykv.accept.run`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from replaykv.accept.contract import Contract, Matrix
+from replaykv.train.evaluate import eval_controls
+from replaykv.train.tasks import TOKENIZER, Filler, TaskSample, generate, score
+
+END_ID = TOKENIZER.special_ids["<|end|>"]
+STOP_IDS = (END_ID, TOKENIZER.eos_id)
+FOLLOW_UP = [
+    TOKENIZER.special_ids["<|user|>"],
+    *b"Say the answer again.",
+    END_ID,
+    TOKENIZER.special_ids["<|assistant|>"],
+]
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    cut: str
+    length: int
+    suffix: str
+    output: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/{self.cut}/{self.length}/{self.suffix}/{self.output}"
+
+    @property
+    def applicable(self) -> bool:
+        return self.suffix != "image"
+
+
+@dataclass(frozen=True)
+class Case:
+    cell: Cell
+    index: int
+    prompt: tuple[int, ...]
+    cut: int
+    shifts: tuple[tuple[str, int], ...]
+    sample: TaskSample
+    max_tokens: int
+    ignore_eos: bool
+    evidence: tuple[int, int]
+
+    @property
+    def id(self) -> str:
+        return f"{self.cell.key}#{self.index}"
+
+    @property
+    def offset(self) -> int:
+        """Tokens from the end of the evidence to the cut (negative: the cut is before it)."""
+        return self.cut - self.evidence[1]
+
+
+def cells(matrix: Matrix) -> list[Cell]:
+    """Every cell of the matrix, in a fixed order (image cells included, marked not applicable)."""
+    dims: tuple[tuple[Any, ...], ...] = (matrix.cuts, matrix.lengths, matrix.suffixes, matrix.outputs)
+    out: list[Cell] = []
+    for task in matrix.tasks:
+        if matrix.design == "factorial":
+            combos: list[tuple[Any, ...]] = list(itertools.product(*dims))
+        else:
+            base = tuple(d[0] for d in dims)
+            combos = [base]
+            for i, d in enumerate(dims):
+                for v in d[1:]:
+                    combos.append((*base[:i], v, *base[i + 1 :]))
+        out += [Cell(task, c, n, s, o) for c, n, s, o in combos]
+    return out
+
+
+def _suffix_len(cell: Cell, m: Matrix) -> int:
+    # "empty": everything but the last prompt token, which every engine computes (its logits
+    # start decoding), so a fully cached prompt is a hit at S - 1
+    return {"short": m.short_suffix, "empty": 1, "long": m.long_suffix}.get(cell.suffix, 0)
+
+
+def _cut(cell: Cell, m: Matrix, s_len: int, evidence_end: int, turn_end: int | None, window: int) -> int:
+    if cell.cut == "end":
+        h = turn_end if turn_end is not None else s_len - _suffix_len(cell, m)
+    elif cell.cut == "start":
+        h = 64
+    elif cell.cut == "window_before":
+        h = window - 1
+    elif cell.cut == "window_after":
+        h = window + 1
+    else:  # boundary
+        h = evidence_end + window
+    return int(min(max(h, 1), s_len))
+
+
+def _shifts(cut: int, s_len: int, m: Matrix, chunk: int) -> tuple[tuple[str, int], ...]:
+    out: dict[int, str] = {}
+    for d in m.shifts:
+        h = cut + d
+        if 1 <= h <= s_len and h != cut:
+            out.setdefault(h, f"{d:+d}")
+    if m.chunk_shifts:
+        up = (cut // chunk + 1) * chunk + 1
+        down = (cut // chunk) * chunk - 1
+        for h, label in ((up, "chunk+1"), (down, "chunk-1")):
+            if 1 <= h <= s_len and h != cut:
+                out.setdefault(h, label)
+    return tuple((label, h) for h, label in sorted(out.items()))
+
+
+def build_cases(contract: Contract, filler: Filler, window: int) -> list[Case]:
+    """The cases of every applicable cell (prompts that cannot be built at a length are skipped
+    with the generator's own rule; the report counts cases per cell)."""
+    m = contract.matrix
+    out: list[Case] = []
+    for ci, cell in enumerate(cells(m)):
+        if not cell.applicable:
+            continue
+        for i in range(m.prompts_per_cell):
+            case = _build_case(contract, cell, ci, i, filler, window)
+            if case is not None:
+                out.append(case)
+    return out
+
+
+def _build_case(contract: Contract, cell: Cell, ci: int, i: int, filler: Filler, window: int) -> Case | None:
+    m = contract.matrix
+    multi = cell.output == "multi_turn"
+    controls: dict[str, Any] = dict(eval_controls(cell.task, window))
+    length = cell.length
+    for attempt in range(8):
+        rng = np.random.default_rng([contract.sampling.seed, ci, i, attempt])
+        n = length
+        if multi:
+            n -= len(FOLLOW_UP) + m.max_answer_tokens  # room for the answer and the follow-up
+        if cell.cut == "boundary" and cell.task in ("passkey", "multihop", "chain", "extract"):
+            # put the evidence so that the cut e + W lands before the question
+            controls["evidence_end"] = max(window, n - m.short_suffix - window - 8)
+        sample = generate(cell.task, rng, filler, n, **controls)
+        if sample is None or len(sample.answer) > m.max_answer_tokens:
+            controls.pop("evidence_end", None)
+            continue
+        prompt = list(sample.prompt)
+        turn_end = None
+        if multi:
+            prompt += list(sample.answer)
+            turn_end = len(prompt)
+            prompt += FOLLOW_UP
+        s_len = len(prompt)
+        cut = _cut(cell, m, s_len, sample.evidence[1], turn_end, window)
+        if cell.output == "long":
+            max_tokens, ignore_eos = m.long_tokens, True
+        else:
+            max_tokens, ignore_eos = min(m.max_answer_tokens, len(sample.answer) + 2), False
+        return Case(
+            cell=cell,
+            index=i,
+            prompt=tuple(prompt),
+            cut=cut,
+            shifts=_shifts(cut, s_len, m, contract.chunk_size),
+            sample=sample,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            evidence=sample.evidence,
+        )
+    return None
+
+
+def answer_text(ids: list[int]) -> str:
+    """The generated answer: the text before the first end-of-turn or end-of-text token."""
+    end = next((k for k, t in enumerate(ids) if t in STOP_IDS), len(ids))
+    return TOKENIZER.decode(ids[:end])
+
+
+def outcome(case: Case, ids: list[int]) -> dict[str, Any]:
+    """Task success, and for structured extraction whether the output is a valid JSON object
+    with the expected fields (None for other tasks); tool correctness is success on tool."""
+    import json
+
+    text = answer_text(ids)
+    out: dict[str, Any] = {"success": bool(score(case.sample, text))}
+    if case.cell.task == "extract":
+        try:
+            obj = json.loads(text.strip())
+            want = json.loads(case.sample.answer_text)
+            out["valid"] = isinstance(obj, dict) and set(obj) == set(want)
+        except ValueError:
+            out["valid"] = False
+    else:
+        out["valid"] = None
+    return out
