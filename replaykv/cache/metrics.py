@@ -11,6 +11,7 @@ assertions.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Iterable
@@ -19,10 +20,11 @@ __all__ = ["AGE_BUCKETS_S", "Counter", "Gauge", "Histogram", "LabeledCounter", "
 
 
 class Counter:
-    """A monotonically increasing integer. ``inc`` is safe from any thread."""
+    """A monotonically increasing integer. ``inc`` is safe from any thread. Counters that are
+    always updated together may share one ``lock`` (the owner then updates them in one step)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, lock: threading.Lock | None = None) -> None:
+        self._lock = lock if lock is not None else threading.Lock()
         self._value = 0
 
     def inc(self, n: int = 1) -> None:
@@ -124,11 +126,10 @@ class Histogram:
         self._max = -math.inf
 
     def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self._bounds, value)  # the first bound >= value
         with self._lock:
-            for i, bound in enumerate(self._bounds):
-                if value <= bound:
-                    self._counts[i] += 1
-                    break
+            if value == value:  # NaN falls in no bucket
+                self._counts[min(i, len(self._counts) - 1)] += 1
             self._count += 1
             self._sum += value
             self._min = min(self._min, value)
@@ -168,14 +169,15 @@ class TierMetrics:
 
     def __init__(self, tier: str) -> None:
         self.tier = tier
-        self.gets = Counter()
-        self.hits = Counter()
-        self.misses = Counter()
+        self._outcome_lock = threading.Lock()
+        self.gets = Counter(self._outcome_lock)
+        self.hits = Counter(self._outcome_lock)
+        self.misses = Counter(self._outcome_lock)
         self.puts = Counter()
         self.puts_ok = Counter()
         self.puts_failed = Counter()
         self.deletes = Counter()
-        self.bytes_read = Counter()
+        self.bytes_read = Counter(self._outcome_lock)
         self.bytes_written = Counter()
         self.evictions = Counter()
         self.expirations = Counter()
@@ -184,21 +186,20 @@ class TierMetrics:
         self.bytes_resident = Gauge()
         self.entries = Gauge()
         self.hit_age_s = Histogram()
-        self._outcome_lock = threading.Lock()
 
     # Recording helpers keep the pairs together so the conservation laws hold.
     def record_hit(self, payload_bytes: int, age_s: float | None = None) -> None:
-        with self._outcome_lock:
-            self.gets.inc()
-            self.hits.inc()
-        self.bytes_read.inc(payload_bytes)
+        with self._outcome_lock:  # the lock of gets, hits, misses and bytes_read
+            self.gets._value += 1
+            self.hits._value += 1
+            self.bytes_read._value += payload_bytes
         if age_s is not None:
             self.hit_age_s.observe(max(0.0, age_s))
 
     def record_miss(self) -> None:
         with self._outcome_lock:
-            self.gets.inc()
-            self.misses.inc()
+            self.gets._value += 1
+            self.misses._value += 1
 
     def record_put(self, ok: bool, payload_bytes: int = 0, error: str | None = None) -> None:
         with self._outcome_lock:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import xxhash
 
@@ -120,9 +120,8 @@ class EntryMeta:
         return cls(namespace_digest=namespace.seed(), kv_layout_version=namespace.kv_layout_version)
 
 
-@dataclass(frozen=True)
-class EntryHeader:
-    """A parsed :data:`STORE_HEADER`."""
+class EntryHeader(NamedTuple):
+    """A parsed :data:`STORE_HEADER` (a named tuple: immutable and cheap to build on every read)."""
 
     format_version: int
     kv_layout_version: int
