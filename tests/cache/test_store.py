@@ -745,3 +745,13 @@ def test_reads_survive_short_preads_and_huge_files(tmp_path: Path, monkeypatch: 
     path.write_bytes(bytes(raw))
     assert store.get(k(2)) is None and store.stats()["quarantine_reasons"] == {"bad_digest": 1}
     assert store.verify().bad == []
+
+
+def test_an_entry_replaced_by_another_writer_with_another_size_is_read_not_quarantined(tmp_path: Path) -> None:
+    writer = DirectoryStore(tmp_path, 64 * MiB)
+    assert writer.put(k(1), payload_for(1, 1000))
+    reader = DirectoryStore(tmp_path, 64 * MiB)  # its index records the 1,000-byte entry
+    for size in (3000, 10):  # larger, then smaller than the reader's index says
+        assert writer.put(k(1), payload_for(size, size))
+        assert reader.get(k(1)) == payload_for(size, size)
+    assert reader.metrics.quarantined.value == 0 and not files_under(tmp_path / "quarantine", ".kv")
