@@ -20,7 +20,8 @@ Alignment rules (V4.1 reference §13.7; "turn boundaries are first-class"):
    compressor rows of every ratio > 1 source at H (fp32; V4's overlapping compressors also keep
    the previous group's rows, so V4 writes a tail even at a chunk-aligned H). An odd H for V4.1's
    ratio-2 sources is therefore exact, never rounded down. V4.1 at a chunk-aligned H needs no
-   carry and writes no tail.
+   carry and writes no tail. Tails go to the store and are cached on the device pool like
+   chunks, so turn boundaries hit without a store too.
 3. Keys. Tail (store): ``SHA-256(b"RKV-TAIL\\0\\0" ‖ prefix_key(tokens[:H]))``. Window snapshot
    (SWA pool): ``prefix_key(tokens[:H])``; under the ``"v4"`` write policy it is also persisted in
    the store under ``SHA-256(b"RKV-SNAP\\0\\0" ‖ prefix_key(tokens[:H]))``. The ``"v41"`` policy
@@ -301,12 +302,12 @@ class CacheManager:
 
         hit, tail, prefix = store_hit, False, None
         hi = min(limit, store_hit + c - 1)
-        if self.store is not None:
+        if self.store is not None or self.device_pool is not None:
             for h in range(hi, store_hit - 1, -1):
                 if h == 0 or (h == store_hit and not self.layout.needs_carry(h)):
                     continue
                 candidate = builder.prefix_key(h)  # chunks [0, store_hit) + tokens [store_hit, h)
-                if self.store.contains(tail_store_key(candidate)):
+                if self._tail_exists(tail_store_key(candidate)):
                     hit, tail, prefix = h, True, candidate
                     break
         if not tail and hi > store_hit:
@@ -487,13 +488,37 @@ class CacheManager:
         self._cache_on_device(key, chunk)
         return chunk, "store"
 
+    def _tail_exists(self, key: bytes) -> bool:
+        """A tail entry is on the device (recently written or read) or in the store."""
+        if self.device_pool is not None and self.device_pool.contains(key):
+            return True
+        return self.store is not None and self.store.contains(key)
+
     def _load_tail(self, plan: CachePlan, view: CacheView, row: int, reasons: list[str]) -> bool:
-        if self.store is None or plan.prefix_key is None:
+        if plan.prefix_key is None:
             return False
         key = tail_store_key(plan.prefix_key)
-        data = self.store.get(key)
         c = self.chunk_size
         start = plan.hit_tokens // c * c
+        pool = self.device_pool
+        pages = pool.match_prefix([key]) if pool is not None else []
+        if pages and pool is not None:
+            try:
+                obj = pool.payload(pages[0])
+                if isinstance(obj, GlobalChunk):
+                    try:
+                        obj.verify(self.layout, namespace_digest=plan.namespace_digest, start=start,
+                                   end=plan.hit_tokens)  # fmt: skip
+                        load_chunk(self.layout, obj, view, row)
+                        return True
+                    except LayoutError as exc:
+                        self.errors.inc(f"device:{exc.reason}")
+            finally:
+                pool.free(pages)
+        if self.store is None:
+            reasons.append(f"tail entry at {plan.hit_tokens} left the device between lookup and load")
+            return False
+        data = self.store.get(key)
         if data is None:
             self.errors.inc("load:tail_miss")
             reasons.append(f"tail entry at {plan.hit_tokens} vanished or failed its checksum")
@@ -508,6 +533,7 @@ class CacheManager:
             reasons.append(f"tail entry failed verification ({exc.reason}); deleted")
             return False
         load_chunk(self.layout, tail, view, row)
+        self._cache_on_device(key, tail)
         return True
 
     def _load_snapshot(
@@ -573,7 +599,8 @@ class CacheManager:
             if at_turn_end and end:
                 prefix = builder.prefix_key(end)
                 needs_tail = end % self.chunk_size or self.layout.needs_carry(end)
-                if self.store is not None and needs_tail and tail_store_key(prefix) not in self._pending:
+                has_tier = self.store is not None or self.device_pool is not None
+                if has_tier and needs_tail and tail_store_key(prefix) not in self._pending:
                     tail = (prefix, extract_tail(self.layout, view, row, digest, now))
                 if self.swa_pool is not None or (self.write_policy == "v4" and self.store is not None):
                     snapshot = (prefix, extract_snapshot(self.layout, view, row, digest, now))
@@ -651,12 +678,14 @@ class CacheManager:
                     self.errors.inc("write:store_chunk_failed")
         for key, chunk in job.chunks:
             self._cache_on_device(key, chunk)
-        if job.tail is not None and self.store is not None:
+        if job.tail is not None:
             prefix, tail = job.tail
-            data = tail.to_bytes(self.layout)
-            if self._put_store(tail_store_key(prefix), data, meta, "tail"):
-                self.written["tails"].inc()
-                self.written["tail_bytes"].inc(len(data))
+            if self.store is not None:
+                data = tail.to_bytes(self.layout)
+                if self._put_store(tail_store_key(prefix), data, meta, "tail"):
+                    self.written["tails"].inc()
+                    self.written["tail_bytes"].inc(len(data))
+            self._cache_on_device(tail_store_key(prefix), tail)
         if job.snapshot is not None:
             prefix, snap = job.snapshot
             data = snap.to_bytes(self.layout)

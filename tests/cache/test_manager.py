@@ -142,13 +142,14 @@ def managers() -> Any:
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("store", [True, False], ids=["store", "device-only"])
 @pytest.mark.parametrize("spec_name", ["v41", "v4"])
 @pytest.mark.parametrize("turn", [29, 31, 32])
 def test_turn_boundary_hit_is_exact(
-    tmp_path: Path, clock: FakeClock, managers: Any, spec_name: str, turn: int
+    tmp_path: Path, clock: FakeClock, managers: Any, spec_name: str, turn: int, store: bool
 ) -> None:
     spec, chunk = (SPEC41, 8) if spec_name == "v41" else (SPEC4, 16)
-    m = make_manager(tmp_path, clock, spec=spec, chunk=chunk)
+    m = make_manager(tmp_path if store else None, clock, spec=spec, chunk=chunk)
     managers.append(m)
     tokens = tokens_of(1, 48)
     serve(m, tokens[:turn], "acme")
