@@ -28,7 +28,7 @@ import numpy as np
 
 from replaykv.accept.contract import Contract, Matrix
 from replaykv.train.evaluate import eval_controls
-from replaykv.train.tasks import TOKENIZER, Filler, TaskSample, generate, score
+from replaykv.train.tasks import TASKS, TOKENIZER, Filler, TaskSample, generate, score
 
 END_ID = TOKENIZER.special_ids["<|end|>"]
 STOP_IDS = (END_ID, TOKENIZER.eos_id)
@@ -38,6 +38,50 @@ FOLLOW_UP = [
     END_ID,
     TOKENIZER.special_ids["<|assistant|>"],
 ]
+
+
+_WORDS = ("alpha", "bravo", "delta", "limit", "quota", "depth", "ratio", "offset", "budget", "window")
+
+
+def code_edit(
+    rng: np.random.Generator, filler: Filler, prompt_len: int, evidence_end: int | None = None
+) -> TaskSample | None:
+    """Code modification: a function with a constant sits in held-out code; the question asks to
+    change the constant and write the changed line (exact match; chance ~1/9000). The shipped
+    model is not trained on this task: it measures whether replay changes what a model does with
+    code it must find and edit, for a model that can."""
+    fn = f"{_WORDS[int(rng.integers(len(_WORDS)))]}_{int(rng.integers(100, 1000))}"
+    var = _WORDS[int(rng.integers(len(_WORDS)))] + "_max"
+    old, new = (int(v) for v in rng.choice(np.arange(1000, 10000), size=2, replace=False))
+    snippet = f"\ndef {fn}(items):\n    {var} = {old}\n    return [x for x in items if x < {var}]\n".encode()
+    intro = b"Here is some code.\n"
+    question = f"\nIn {fn}, change {var} from {old} to {new}. Write the changed line.".encode()
+    head = [TOKENIZER.bos_id, TOKENIZER.special_ids["<|user|>"], *intro]
+    tail = [*question, END_ID, TOKENIZER.special_ids["<|assistant|>"]]
+    room = prompt_len - len(head) - len(tail)
+    if room < len(snippet) + 16:
+        return None
+    if evidence_end is not None:
+        off = int(min(max(evidence_end - len(head) - len(snippet), 0), room - len(snippet)))
+    else:
+        off = int(rng.integers(0, room - len(snippet) + 1))
+    body = bytearray(filler.filler(rng, room, prose=False)[:room].ljust(room, b" "))
+    body[off : off + len(snippet)] = snippet
+    prompt = (*head, *body, *tail)
+    answer_text = f"{var} = {new}"
+    start = len(head) + off
+    return TaskSample(
+        "code_edit",
+        tuple(prompt),
+        (*answer_text.encode(), END_ID),
+        answer_text,
+        (start, start + len(snippet)),
+        1 / 9000,
+    )
+
+
+ACCEPT_TASKS = (*TASKS, "code_edit")
+"""The training tasks plus code modification (generated here only: not in the training mixture)."""
 
 
 @dataclass(frozen=True)
@@ -156,10 +200,13 @@ def _build_case(contract: Contract, cell: Cell, ci: int, i: int, filler: Filler,
         n = length
         if multi:
             n -= len(FOLLOW_UP) + m.max_answer_tokens  # room for the answer and the follow-up
-        if cell.cut == "boundary" and cell.task in ("passkey", "multihop", "chain", "extract"):
+        if cell.cut == "boundary" and cell.task in ("passkey", "multihop", "chain", "extract", "code_edit"):
             # put the evidence so that the cut e + W lands before the question
             controls["evidence_end"] = max(window, n - m.short_suffix - window - 8)
-        sample = generate(cell.task, rng, filler, n, **controls)
+        if cell.task == "code_edit":
+            sample = code_edit(rng, filler, n, controls.get("evidence_end"))
+        else:
+            sample = generate(cell.task, rng, filler, n, **controls)
         if sample is None or len(sample.answer) > m.max_answer_tokens:
             controls.pop("evidence_end", None)
             continue

@@ -96,7 +96,7 @@ class ContractError(ValueError):
 
 @dataclass(frozen=True)
 class Matrix:
-    tasks: tuple[str, ...] = ("passkey", "multihop", "chain", "extract", "tool")
+    tasks: tuple[str, ...] = ("passkey", "multihop", "chain", "code_edit", "extract", "tool")
     cuts: tuple[str, ...] = ("end", "boundary", "window_before", "window_after", "start")
     lengths: tuple[int, ...] = (1024,)
     suffixes: tuple[str, ...] = ("short", "empty", "long", "image")
@@ -197,7 +197,7 @@ def _build(cls: Any, raw: Any, name: str) -> Any:
 
 def parse_contract(raw: Any) -> Contract:
     """A validated :class:`Contract` from parsed YAML (raises ContractError naming the field)."""
-    from replaykv.train.tasks import TASKS
+    from replaykv.accept.cases import ACCEPT_TASKS as TASKS
 
     if not isinstance(raw, dict):
         raise ContractError("a contract is a YAML mapping")

@@ -173,7 +173,8 @@ def verdicts(contract: Contract, pairs: list[Pair], records: list[Record]) -> li
 
 def cell_table(pairs: list[Pair]) -> list[dict[str, Any]]:
     """Per cell and candidate state: cases, success (baseline / candidate), KL, top-1 agreement,
-    exact outputs, state reached, mean cut offset."""
+    exact outputs, the mean first divergent token of the outputs that diverge, state reached,
+    mean cut offset."""
     groups: dict[tuple[str, str], list[Pair]] = defaultdict(list)
     for p in pairs:
         c = p.cand.cell
@@ -192,6 +193,9 @@ def cell_table(pairs: list[Pair]) -> list[dict[str, Any]]:
                 "kl": _mean([p.kl for p in ps]),
                 "top1": _mean([p.top1 for p in ps]),
                 "exact": sum(p.exact for p in ps) / len(ps),
+                "first_divergence": _mean(
+                    [float(p.first_divergence) for p in ps if p.first_divergence is not None]
+                ),
                 "reached": sum(reached) / len(reached) if reached else math.nan,
                 "offset": _mean([float(p.cand.offset) for p in ps]),
             }

@@ -162,6 +162,21 @@ def run_contract(contract_path: str | Path, out: str | Path, target: InProcess |
         "not_applicable": na,
         "cases": len(cases),
         "seconds": time.perf_counter() - t0,
+        "pairs": [
+            {
+                "case": p.cand.case,
+                "state": p.cand.state,
+                "shift": p.cand.shift,
+                "repeat": p.cand.repeat,
+                "kl": p.kl,
+                "kl_first": p.kl_first,
+                "top1": p.top1,
+                "exact": p.exact,
+                "first_divergence": p.first_divergence,
+                "compared_tokens": p.compared,
+            }
+            for p in pairs
+        ],
         "records": [r.to_dict() for r in result.records],
     }
     report_mod.write(rep, pairs, result.records, out)

@@ -25,7 +25,7 @@ def test_the_shipped_example_parses_and_covers_the_matrix() -> None:
     c = load_contract(EXAMPLE)
     assert c.stage == "encoder_replay" and c.criteria
     m = c.matrix
-    assert set(m.tasks) == {"passkey", "multihop", "chain", "extract", "tool"}
+    assert set(m.tasks) == {"passkey", "multihop", "chain", "code_edit", "extract", "tool"}
     assert {"start", "window_before", "window_after", "end"} <= set(m.cuts)
     assert set(m.suffixes) >= {"empty", "short", "long", "image"} and set(m.outputs) == {
         "short",
@@ -125,3 +125,26 @@ def test_topk_kl_is_exact_with_the_whole_vocabulary_and_a_lower_bound_below() ->
         assert topk_kl(_top(p, 20), _top(q, 20)) <= full + 1e-9
     same = _top(torch.log_softmax(torch.randn(64, generator=g), -1), 20)
     assert topk_kl(same, same) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_code_edit_cases() -> None:
+    import numpy as np
+
+    from replaykv.accept.cases import code_edit
+    from replaykv.train.data import load_corpus
+    from replaykv.train.tasks import TOKENIZER, score
+
+    heldout = load_corpus(splits=("heldout",))["heldout"]
+    for seed in range(5):
+        s = code_edit(np.random.default_rng(seed), heldout, 512)
+        assert s is not None and len(s.prompt) == 512
+        a, b = s.evidence
+        snippet = TOKENIZER.decode(list(s.prompt[a:b]))
+        var, new = s.answer_text.split(" = ")
+        assert snippet.startswith("\ndef ") and f"    {var} = " in snippet and new not in snippet
+        assert score(s, s.answer_text) and not score(s, s.answer_text + "0")
+    at = code_edit(np.random.default_rng(0), heldout, 512, evidence_end=300)
+    assert at is not None and at.evidence[1] == 300
+    c = parse_contract({**BASE, "matrix": {"tasks": ["code_edit"], "cuts": ["boundary"], "lengths": [512]}})
+    (case,) = build_cases(c, heldout, window=128)[:1]
+    assert case.cut - 128 == case.evidence[1]
