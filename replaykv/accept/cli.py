@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from replaykv.accept.contract import EXAMPLE, ContractError
+from replaykv.accept.contract import EXAMPLE, ContractError, load_contract
 from replaykv.replay import FAULTS
 
 
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             ok, msg = verify_report(args.verify_report, args.contract)
             print(msg)
             return 0 if ok else 1
+        load_contract(args.contract)  # a bad contract is reported before anything starts
         if bool(args.baseline_url) != bool(args.candidate_url):
             print("error: endpoint mode needs both --baseline-url and --candidate-url", file=sys.stderr)
             return 2
