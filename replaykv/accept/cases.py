@@ -21,6 +21,7 @@ Not for: running the prompts (see :mod:`replaykv.accept.run`).
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from replaykv.accept.contract import Contract, Matrix
 from replaykv.train.evaluate import eval_controls
-from replaykv.train.tasks import TASKS, TOKENIZER, Filler, TaskSample, generate, score
+from replaykv.train.tasks import TASKS, TOKENIZER, Filler, TaskSample, generate, one_insert_prompt, score
 
 END_ID = TOKENIZER.special_ids["<|end|>"]
 STOP_IDS = (END_ID, TOKENIZER.eos_id)
@@ -55,28 +56,16 @@ def code_edit(
     old, new = (int(v) for v in rng.choice(np.arange(1000, 10000), size=2, replace=False))
     snippet = f"\ndef {fn}(items):\n    {var} = {old}\n    return [x for x in items if x < {var}]\n".encode()
     intro = b"Here is some code.\n"
-    question = f"\nIn {fn}, change {var} from {old} to {new}. Write the changed line.".encode()
-    head = [TOKENIZER.bos_id, TOKENIZER.special_ids["<|user|>"], *intro]
-    tail = [*question, END_ID, TOKENIZER.special_ids["<|assistant|>"]]
-    room = prompt_len - len(head) - len(tail)
-    if room < len(snippet) + 16:
+    question = f"\nIn {fn}, change {var} from {old} to {new}. Write the changed line."
+    built = one_insert_prompt(
+        rng, filler, prompt_len, intro, question, snippet, None, evidence_end, prose=False
+    )
+    if built is None:
         return None
-    if evidence_end is not None:
-        off = int(min(max(evidence_end - len(head) - len(snippet), 0), room - len(snippet)))
-    else:
-        off = int(rng.integers(0, room - len(snippet) + 1))
-    body = bytearray(filler.filler(rng, room, prose=False)[:room].ljust(room, b" "))
-    body[off : off + len(snippet)] = snippet
-    prompt = (*head, *body, *tail)
+    ids, evidence, _, _ = built
     answer_text = f"{var} = {new}"
-    start = len(head) + off
     return TaskSample(
-        "code_edit",
-        tuple(prompt),
-        (*answer_text.encode(), END_ID),
-        answer_text,
-        (start, start + len(snippet)),
-        1 / 9000,
+        "code_edit", tuple(ids), (*answer_text.encode(), END_ID), answer_text, evidence, 1 / 9000
     )
 
 
@@ -245,8 +234,6 @@ def answer_text(ids: list[int]) -> str:
 def outcome(case: Case, ids: list[int]) -> dict[str, Any]:
     """Task success, and for structured extraction whether the output is a valid JSON object
     with the expected fields (None for other tasks); tool correctness is success on tool."""
-    import json
-
     text = answer_text(ids)
     out: dict[str, Any] = {"success": bool(score(case.sample, text))}
     if case.cell.task == "extract":

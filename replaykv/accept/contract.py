@@ -19,6 +19,7 @@ Not for: running anything (see :mod:`replaykv.accept.run`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -187,8 +188,8 @@ def _build(cls: Any, raw: Any, name: str) -> Any:
         raise ContractError(f"{name}: unknown field(s) {unknown}; known: {sorted(fields)}")
     kwargs = {}
     for key, value in raw.items():
-        default = getattr(cls(), key) if key in fields and cls is not Criterion else None
-        kwargs[key] = _tuple(value, f"{name}.{key}") if isinstance(default, tuple) else value
+        tuple_field = isinstance(fields[key].default, tuple)
+        kwargs[key] = _tuple(value, f"{name}.{key}") if tuple_field else value
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -264,14 +265,9 @@ def parse_contract(raw: Any) -> Contract:
     criteria = []
     for i, c in enumerate(crit_raw):
         crit = _build(Criterion, c, f"criteria[{i}]")
-        crit = Criterion(
-            crit.name,
-            crit.metric,
-            float(crit.threshold),
-            tuple(crit.states),
-            tuple(crit.tasks),
-            crit.statistic,
-        )
+        if not isinstance(crit.threshold, (int, float)):
+            raise ContractError(f"criteria[{i}].threshold must be a number, got {crit.threshold!r}")
+        crit = dataclasses.replace(crit, threshold=float(crit.threshold))
         if crit.metric not in METRICS:
             raise ContractError(f"criteria[{i}].metric: {crit.metric!r} is not one of {sorted(METRICS)}")
         _check_subset(crit.states, STATES, f"criteria[{i}].states")

@@ -462,14 +462,10 @@ class CacheManager:
     ) -> tuple[GlobalChunk | None, str]:
         c = self.chunk_size
         start, end = index * c, (index + 1) * c
-        if page is not None and self.device_pool is not None:
-            obj = self.device_pool.payload(page)
-            if isinstance(obj, GlobalChunk):
-                try:
-                    obj.verify(self.layout, namespace_digest=digest, start=start, end=end)
-                    return obj, "device"
-                except LayoutError as exc:
-                    self.errors.inc(f"device:{exc.reason}")
+        if page is not None:
+            obj = self._verified_page(page, digest, start, end)
+            if obj is not None:
+                return obj, "device"
         if self.store is None:
             reasons.append(f"chunk {index} left the device between lookup and load")
             return None, ""
@@ -488,6 +484,19 @@ class CacheManager:
         self._cache_on_device(key, chunk)
         return chunk, "store"
 
+    def _verified_page(self, page: int, digest: bytes, start: int, end: int) -> GlobalChunk | None:
+        """The global KV a held device page carries for tokens [start, end), or None (counted)."""
+        assert self.device_pool is not None
+        obj = self.device_pool.payload(page)
+        if not isinstance(obj, GlobalChunk):
+            return None
+        try:
+            obj.verify(self.layout, namespace_digest=digest, start=start, end=end)
+        except LayoutError as exc:
+            self.errors.inc(f"device:{exc.reason}")
+            return None
+        return obj
+
     def _tail_exists(self, key: bytes) -> bool:
         """A tail entry is on the device (recently written or read) or in the store."""
         if self.device_pool is not None and self.device_pool.contains(key):
@@ -504,15 +513,10 @@ class CacheManager:
         pages = pool.match_prefix([key]) if pool is not None else []
         if pages and pool is not None:
             try:
-                obj = pool.payload(pages[0])
-                if isinstance(obj, GlobalChunk):
-                    try:
-                        obj.verify(self.layout, namespace_digest=plan.namespace_digest, start=start,
-                                   end=plan.hit_tokens)  # fmt: skip
-                        load_chunk(self.layout, obj, view, row)
-                        return True
-                    except LayoutError as exc:
-                        self.errors.inc(f"device:{exc.reason}")
+                obj = self._verified_page(pages[0], plan.namespace_digest, start, plan.hit_tokens)
+                if obj is not None:
+                    load_chunk(self.layout, obj, view, row)
+                    return True
             finally:
                 pool.free(pages)
         if self.store is None:

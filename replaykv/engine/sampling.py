@@ -83,7 +83,11 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     lp = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
     top: tuple[tuple[int, float], ...] = ()
     if k > 0:
-        order = torch.argsort(-lp, stable=True)[:k]  # stable: equal values keep the lower id first
+        # top-k without sorting the vocabulary: every id at or above the k-th value, in id order,
+        # then a stable sort by value (equal values keep the lower id first)
+        kth = torch.topk(lp, k).values[-1]
+        ids = torch.nonzero(lp >= kth).flatten()
+        order = ids[torch.argsort(-lp[ids], stable=True)][:k]
         top = tuple(zip(order.tolist(), lp[order].tolist(), strict=True))
     return TokenLogprob(token, float(lp[token]), top)
 

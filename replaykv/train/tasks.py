@@ -156,6 +156,32 @@ def _chat_user(body: list[int], question: str) -> tuple[list[int], int]:
 _USER_OVERHEAD = 4  # bos, user, end, assistant
 
 
+def one_insert_prompt(
+    rng: np.random.Generator,
+    filler: Filler,
+    prompt_len: int,
+    intro: bytes,
+    question: str,
+    insert: bytes,
+    depth: float | None = None,
+    evidence_end: int | None = None,
+    prose: bool = True,
+) -> tuple[list[int], tuple[int, int], int, int] | None:
+    """A one-turn prompt of exactly `prompt_len` tokens: `intro`, filler holding `insert` (placed
+    by :func:`_place`), then `question`. Returns the ids, the insert's [start, end) in them, its
+    offset in the filler and the filler's length; None when it does not fit."""
+    room = prompt_len - _USER_OVERHEAD - len(intro) - len(question)
+    off = _place(rng, room, len(insert), 2 + len(intro), depth, evidence_end)
+    if off is None:
+        return None
+    hay = _haystack(filler, rng, room, [(off, insert)], prose)
+    if hay is None:
+        return None
+    body, (span,) = hay
+    ids, start = _chat_user([*intro, *body], question)
+    return ids, (start + len(intro) + span[0], start + len(intro) + span[1]), off, room
+
+
 # ---------------------------------------------------------------------------- the generators
 def passkey(
     rng: np.random.Generator,
@@ -168,17 +194,10 @@ def passkey(
     key = str(int(rng.integers(10000, 100000)))
     intro, question = b"Remember the pass key.\n", "\nWhat is the pass key?"
     insert = f"\nThe pass key is {key}.\n".encode()
-    room = prompt_len - _USER_OVERHEAD - len(intro) - len(question)
-    base = 2 + len(intro)
-    off = _place(rng, room, len(insert), base, depth, evidence_end)
-    if off is None:
+    built = one_insert_prompt(rng, filler, prompt_len, intro, question, insert, depth, evidence_end)
+    if built is None:
         return None
-    hay = _haystack(filler, rng, room, [(off, insert)])
-    if hay is None:
-        return None
-    body, (span,) = hay
-    ids, start = _chat_user([*intro, *body], question)
-    ev = (start + len(intro) + span[0], start + len(intro) + span[1])
+    ids, ev, off, room = built
     depth_used = off / max(1, room - len(insert))
     return TaskSample(
         "passkey", tuple(ids), _answer(key), key, ev, 1 / 90000, meta={"depth": round(depth_used, 3)}
@@ -384,16 +403,10 @@ def extract(
     sentence = str(rng.choice(_TEMPLATES)).format(**rec)
     insert = f"\n{sentence}\n".encode()
     intro, question = b"Read the text.\n", "\nGive name, year, city and job as JSON."
-    room = prompt_len - _USER_OVERHEAD - len(intro) - len(question)
-    off = _place(rng, room, len(insert), 2 + len(intro), depth, evidence_end)
-    if off is None:
+    built = one_insert_prompt(rng, filler, prompt_len, intro, question, insert, depth, evidence_end)
+    if built is None:
         return None
-    hay = _haystack(filler, rng, room, [(off, insert)])
-    if hay is None:
-        return None
-    body, (span,) = hay
-    ids, start = _chat_user([*intro, *body], question)
-    ev = (start + len(intro) + span[0], start + len(intro) + span[1])
+    ids, ev, _, _ = built
     text = json.dumps(rec, separators=(", ", ": "))
     return TaskSample("extract", tuple(ids), _answer(text), text, ev, 0.0)
 
