@@ -25,6 +25,8 @@ import copy
 import json
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,6 +159,25 @@ def save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: d
     os.replace(tmp, path)
 
 
+class _StopOnSigterm:
+    """While installed (main thread only), SIGTERM sets ``requested`` instead of killing, so the
+    loop can save its state at the end of the current step and return."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
 def _log(out: Path, record: dict[str, Any]) -> None:
     with (out / "train_log.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
@@ -173,10 +194,14 @@ def train(
     progress: bool = True,
     evaluate_at_end: bool = True,
     micro_batch: int | None = None,
+    checkpoint_seconds: float = 300.0,
 ) -> TrainResult:
     """Run (or continue) `recipe` into `out`. `max_steps` stops after that global step (a prefix of
     the same run: the schedule is the recipe's); the export happens when the recipe completes.
-    `micro_batch` overrides the phases' gradient-accumulation size (memory, not results)."""
+    `micro_batch` overrides the phases' gradient-accumulation size (memory, not results).
+    Besides every ``recipe.checkpoint_every`` steps, the state is saved when ``checkpoint_seconds``
+    of wall time have passed since the last save, and when the process receives SIGTERM (it then
+    stops after the current step); neither changes the results, only how much a kill loses."""
     out = Path(out)
     state_path = out / STATE
     if state_path.exists() and not resume:
@@ -206,6 +231,8 @@ def train(
     balance = RouterBalance(model, recipe.router_bias_rate)
     end = recipe.total_steps if max_steps is None else min(max_steps, recipe.total_steps)
     losses: list[float] = []
+    stop = _StopOnSigterm()
+    last_save = time.monotonic()
     bar = tqdm(total=end, initial=step, disable=not progress, desc=f"train {recipe.name}", unit="step")
     try:
         while step < end:
@@ -235,10 +262,16 @@ def train(
                 quick = evaluate(model, corpus["heldout"], recipe.quick_eval)
                 _log(out, {"step": step, "eval": _summary(quick)})
                 bar.write(f"step {step}: " + json.dumps(_summary(quick)))
-            if step % recipe.checkpoint_every == 0 or step == end:
+            due = time.monotonic() - last_save >= checkpoint_seconds
+            if step % recipe.checkpoint_every == 0 or step == end or due or stop.requested:
                 meta = {"step": step, "seconds": seconds, "tokens": tokens, "recipe": recipe.name}
                 save_state(state_path, model, opt, meta)
+                last_save = time.monotonic()
+            if stop.requested:
+                bar.write(f"SIGTERM: state saved at step {step}; resume with --resume")
+                break
     finally:
+        stop.restore()
         bar.close()
         distill.remove()
         balance.remove()

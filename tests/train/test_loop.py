@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import CacheState, plan_prefill
-from replaykv.train import cli
+from replaykv.train import cli, loop
 from replaykv.train.data import MixtureSampler, load_corpus
 from replaykv.train.loop import accumulate_gradients, evaluate_only, train
 from replaykv.train.paths import (
@@ -85,6 +87,29 @@ def test_resume_continues_identically(tmp_path, corpus) -> None:  # type: ignore
         assert torch.equal(v, b["model"][k]), k
     biases = [v for k, v in a["model"].items() if k.endswith("e_score_correction_bias")]
     assert any(bool(v.abs().sum() > 0) for v in biases)  # router balancing moved them
+
+
+def test_sigterm_saves_the_state_and_resumes_identically(tmp_path, corpus, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    recipe = _mini(steps=5, checkpoint_every=10)
+    whole = train(recipe, tmp_path / "a", corpus=corpus, progress=False, evaluate_at_end=False)
+    calls = {"n": 0}
+    real = loop.accumulate_gradients
+
+    def kill_during_third_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "accumulate_gradients", kill_during_third_step)
+    first = train(recipe, tmp_path / "b", corpus=corpus, progress=False)
+    monkeypatch.setattr(loop, "accumulate_gradients", real)
+    assert first.steps == 3 and not first.exported  # the step in flight finished, then it stopped
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
+    state = torch.load(tmp_path / "b/train_state/state.pt", weights_only=False)
+    assert state["step"] == 3  # saved though 3 is no multiple of checkpoint_every
+    rest = train(recipe, tmp_path / "b", resume=True, corpus=corpus, progress=False, evaluate_at_end=False)
+    assert first.losses + rest.losses == whole.losses
 
 
 def test_export_card_and_cli(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
