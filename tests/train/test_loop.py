@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 
@@ -137,6 +138,52 @@ def test_export_card_and_cli(tmp_path, corpus) -> None:  # type: ignore[no-untyp
     assert again["tasks"]["passkey"]["full"]["n"] == 1
     # The command line refuses to overwrite a run.
     assert cli.main(["--recipe", "tiny", "--out", str(tmp_path), "--steps", "1", "--no-progress"]) == 2
+
+
+def test_adaptation_from_an_export_reports_base_and_adapted(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
+    """The adapt flow: a base export, then replay-adaptation steps (decoder replay and bounded
+    replay at a cut in every step) from it, whose card puts both models side by side."""
+    spec = EvalSpec(
+        prompt_len=96, cases=1, passkey_depths=(1.0,), passkey_per_depth=1, offsets=(0, 8), text_sequences=2,
+        text_len=32, batch=2,
+    )  # fmt: skip
+    base = train(_mini(steps=2, final_eval=spec), tmp_path / "base", corpus=corpus, progress=False)
+    assert base.exported
+    mix = Mixture(text=0.25, passkey=0.75, multihop=0.0, chain=0.0, extract=0.0, tool=0.0)
+    paths = Paths(full=0.5, decoder_replay=1.0, bounded_prob=1.0, boundary_prob=1.0)
+    adapt = _mini(
+        name="adapt-mini",
+        phases=(Phase("adapt", 2, 96, 2, mix, paths=paths),),
+        init_from="base",
+        seed=7,
+        final_eval=spec,
+    )
+    with pytest.raises(ValueError, match="--init"):
+        train(adapt, tmp_path / "no-init", corpus=corpus, progress=False)
+    result = train(adapt, tmp_path / "adapted", init=tmp_path / "base", corpus=corpus, progress=False)
+    assert result.exported and all(math.isfinite(x) for x in result.losses)
+    log = [json.loads(line) for line in (tmp_path / "adapted/train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "step" in r and "loss" in r]
+    # Every step carried the follow-up's loss under bounded replay at its cut (decoder replay on).
+    assert len(steps) == 2 and all(r["bounded"] > 0 and r["full"] > 0 for r in steps), steps
+    metrics = json.loads((tmp_path / "adapted/metrics.json").read_text())
+    assert metrics["tasks"]["passkey"]["full"]["n"] == 1 and set(metrics["tasks"]["passkey"]["offsets"]) == {
+        "0",
+        "8",
+    }
+    card = (tmp_path / "adapted/MODEL_CARD.md").read_text()
+    assert "full prefill (base)" in card and "full prefill (adapted)" in card
+    assert "bounded, worst offset (adapted)" in card and "--init base" in card
+    # The base row of the card is the base export's own evaluation (same cases, reused).
+    base_metrics = json.loads((tmp_path / "base/metrics.json").read_text())
+    assert base_metrics["text"]["bpb"] == pytest.approx(
+        float(card.split("| text (code + docstrings) | ")[1].split(" ")[0]), abs=5e-4
+    )
+    # The adapted weights moved away from the base's.
+    a, b = load_model(tmp_path / "adapted"), load_model(tmp_path / "base")
+    assert any(
+        not torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
 
 
 def _model(quant: bool = False, seed: int = 1) -> DeepseekV41ForCausalLM:
