@@ -74,8 +74,8 @@ class Paths:
 @dataclass(frozen=True)
 class Phase:
     """`steps` optimiser steps of `batch` sequences of `seq_len` tokens, accumulated over
-    micro-batches of `micro_batch` sequences (memory and speed only: the gradient is the same up
-    to float summation order; None: the whole batch at once)."""
+    micro-batches of `micro_batch` sequences (memory only: the gradient is the same up to float
+    summation order; None: the whole batch at once)."""
 
     name: str
     steps: int
@@ -229,7 +229,7 @@ def small() -> Recipe:
         name="small",
         preset="v41-small",
         phases=(
-            Phase("base", steps=3000, seq_len=1024, batch=8, micro_batch=4),
+            Phase("base", steps=3000, seq_len=1024, batch=8, micro_batch=2),
             Phase("long", steps=400, seq_len=4096, batch=2, micro_batch=1),
         ),
         lr=2e-3,
