@@ -106,6 +106,9 @@ def bench_decoder_replay(model: DeepseekV41ForCausalLM, prompts: int, tokens: in
     ]
 
 
+PATHS = ("hit", "bounded", "exact", "truncate", "full")  # the rows of table (b), in order
+
+
 def work_features(
     model: DeepseekV41ForCausalLM, spec: ModelSpec, plan: PrefillPlan
 ) -> tuple[int, int, int, int]:
@@ -189,18 +192,15 @@ def bench_miss_paths(
             execute(model, plan, ids[:, :tokens], view)
             times[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    rows = [
-        (name, cases[name][0], median[name], cases[name][3])
-        for name in ("hit", "bounded", "exact", "truncate", "full")
-    ]
-    hit_plan, hit_t = rows[0][1], rows[0][2]
-    full_plan, full_t = rows[-1][1], rows[-1][2]
+    rows = [(name, cases[name][0], median[name], cases[name][3]) for name in PATHS]
+    hit_plan, hit_t = cases["hit"][0], median["hit"]
+    full_plan, full_t = cases["full"][0], median["full"]
     per_work = (full_t - hit_t) / max(1, full_plan.work - hit_plan.work)  # seconds per extra layer·token
     per_work_deep = hit_t / max(1, hit_plan.work)  # seconds per layer·token of rows at the prefix's end
     # Bound C: seconds = d · layer passes + a · layer·tokens + b · source-scored entries + c ·
     # Reindex-scored entries, solved from four runs that are not recoveries: the two calibration
     # cases, the hit and the full path.
-    calib_names = [name for name in cases if name not in ("hit", "bounded", "exact", "truncate", "full")]
+    calib_names = [name for name in cases if name not in PATHS]
     feats = {name: work_features(model, spec, plan) for name, (plan, *_) in cases.items()}
     calibration = [(feats[name], median[name]) for name in [*calib_names, "hit", "full"]]
     coef = torch.linalg.lstsq(
@@ -244,10 +244,8 @@ def bench_miss_paths(
             f"| {t:.2f} s | {rec:.2f} s "
             f"| {bound:.2f} s | {ratio} | {deep:.2f} s | {ratio_b} | {fitted:.2f} s | {ratio_c} |"
         )
-    exact = next(p for n, p, _, _ in rows if n == "exact")
-    bounded = next(p for n, p, _, _ in rows if n == "bounded")
-    t_exact = next(t for n, _, t, _ in rows if n == "exact") - hit_t
-    t_bounded = next(t for n, _, t, _ in rows if n == "bounded") - hit_t
+    exact, bounded = cases["exact"][0], cases["bounded"][0]
+    t_exact, t_bounded = median["exact"] - hit_t, median["bounded"] - hit_t
     lines += [
         "",
         f"Encoder bounded replay adds {bounded.work - hit_plan.work:,} layer·tokens "
