@@ -111,14 +111,14 @@ AGE_BUCKETS_S: tuple[float, ...] = (
 class Histogram:
     """Cumulative-bucket histogram (Prometheus-style ``le`` buckets) with count, sum, min, max."""
 
-    def __init__(self, buckets: Iterable[float] = AGE_BUCKETS_S) -> None:
+    def __init__(self, buckets: Iterable[float] = AGE_BUCKETS_S, lock: threading.Lock | None = None) -> None:
         bounds = sorted(float(b) for b in buckets)
         if not bounds or any(math.isnan(b) for b in bounds):
             raise ValueError("a histogram needs at least one finite bucket bound")
         if bounds[-1] != math.inf:
             bounds.append(math.inf)
         self._bounds = tuple(bounds)
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.Lock()
         self._counts = [0] * len(self._bounds)
         self._count = 0
         self._sum = 0.0
@@ -126,14 +126,19 @@ class Histogram:
         self._max = -math.inf
 
     def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self._bounds, value)  # the first bound >= value
         with self._lock:
-            if value == value:  # NaN falls in no bucket
-                self._counts[min(i, len(self._counts) - 1)] += 1
-            self._count += 1
-            self._sum += value
-            self._min = min(self._min, value)
-            self._max = max(self._max, value)
+            self._observe_locked(value)
+
+    def _observe_locked(self, value: float) -> None:
+        """``observe`` for an owner that holds the (shared) lock already."""
+        self._count += 1
+        self._sum += value
+        if value == value:  # NaN falls in no bucket and moves neither extreme
+            self._counts[bisect.bisect_left(self._bounds, value)] += 1  # < len: the last bound is +inf
+            if value < self._min:
+                self._min = value
+            if value > self._max:
+                self._max = value
 
     @property
     def count(self) -> int:
@@ -185,16 +190,16 @@ class TierMetrics:
         self.errors = LabeledCounter()
         self.bytes_resident = Gauge()
         self.entries = Gauge()
-        self.hit_age_s = Histogram()
+        self.hit_age_s = Histogram(lock=self._outcome_lock)
 
     # Recording helpers keep the pairs together so the conservation laws hold.
     def record_hit(self, payload_bytes: int, age_s: float | None = None) -> None:
-        with self._outcome_lock:  # the lock of gets, hits, misses and bytes_read
+        with self._outcome_lock:  # the lock of gets, hits, misses, bytes_read and hit_age_s
             self.gets._value += 1
             self.hits._value += 1
             self.bytes_read._value += payload_bytes
-        if age_s is not None:
-            self.hit_age_s.observe(max(0.0, age_s))
+            if age_s is not None:
+                self.hit_age_s._observe_locked(age_s if age_s > 0.0 else 0.0)
 
     def record_miss(self) -> None:
         with self._outcome_lock:

@@ -152,6 +152,16 @@ class EntryHeader(NamedTuple):
     @classmethod
     def unpack(cls, raw: bytes) -> EntryHeader | str:
         """The header, or the reason (a short string) it cannot be trusted."""
+        if len(raw) == STORE_HEADER.size:  # the common case: one unpack, one CRC
+            magic, version, layout, flags, created, length, ns, key, digest, payload_xxh3, crc = (
+                STORE_HEADER.unpack(raw)
+            )
+            if (
+                magic == STORE_MAGIC
+                and version == STORE_FORMAT_VERSION
+                and zlib.crc32(raw[:_CRC_OFFSET]) == crc
+            ):
+                return cls(version, layout, flags, created, length, ns, key, digest, payload_xxh3)
         if len(raw) < _VERSION_PREFIX.size:
             return "truncated"
         magic, version = _VERSION_PREFIX.unpack_from(raw)
@@ -161,12 +171,12 @@ class EntryHeader(NamedTuple):
             return "wrong_version"
         if len(raw) < STORE_HEADER.size:
             return "truncated"
-        _, _, layout, flags, created, length, ns, key, digest, payload_crc, crc = STORE_HEADER.unpack_from(
+        _, _, layout, flags, created, length, ns, key, digest, payload_xxh3, crc = STORE_HEADER.unpack_from(
             raw
         )
         if zlib.crc32(raw[:_CRC_OFFSET]) != crc:
             return "bad_header_crc"
-        return cls(version, layout, flags, created, length, ns, key, digest, payload_crc)
+        return cls(version, layout, flags, created, length, ns, key, digest, payload_xxh3)
 
 
 @dataclass
@@ -385,7 +395,7 @@ class DirectoryStore(GlobalKVStore):
         return f"{self._entries_str}/{hexkey[0:2]}/{hexkey[2:4]}"
 
     def _path_for(self, key: bytes) -> str:
-        hexkey = key_hex(key)
+        hexkey = key.hex()  # every caller has checked the key (``_check_key``)
         return f"{self._entries_str}/{hexkey[0:2]}/{hexkey[2:4]}/{hexkey}.kv"
 
     def _stripe(self, key: bytes) -> threading.Lock:
@@ -747,12 +757,16 @@ class DirectoryStore(GlobalKVStore):
         now = self._clock()
         with self._lock:
             entry = self._index.get(key)
-            if entry is not None and self._expired(entry, now):
-                self._drop_locked(key)
-                self.metrics.expirations.inc()
-                if not self.read_only and key not in self._publishing:
-                    self._remove_file(key)
-                entry = None
+            if entry is not None:
+                if self._expired(entry, now):
+                    self._drop_locked(key)
+                    self.metrics.expirations.inc()
+                    if not self.read_only and key not in self._publishing:
+                        self._remove_file(key)
+                    entry = None
+                else:  # the access counts now; a read that fails below drops the entry anyway
+                    entry.last_access = now
+                    self._index.move_to_end(key)
         if entry is None:
             self.metrics.record_miss()
             return None
@@ -789,11 +803,6 @@ class DirectoryStore(GlobalKVStore):
             self.metrics.record_miss()
             return None
         header, payload = result
-        with self._lock:
-            current = self._index.get(key)
-            if current is not None:
-                current.last_access = now
-                self._index.move_to_end(key)
         self.metrics.record_hit(len(payload), age_s=now - header.created_at)
         return payload
 
@@ -806,7 +815,7 @@ class DirectoryStore(GlobalKVStore):
         The payload is read first, in one ``pread`` of everything after the header straight into
         the ``bytes`` returned (no second copy), and the header after it: on a cold cache that is
         one I/O round trip instead of two (the header's page is read with the payload's first).
-        The payload CRC-32 is checked always, its SHA-256 digest too with ``sha256=True``.
+        The payload's XXH3-64 is checked always, its SHA-256 digest too with ``sha256=True``.
         """
         payload_size = file_size - STORE_HEADER.size
         payload: bytes | None = None
