@@ -12,7 +12,6 @@ engine replays or recomputes.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import math
 import os
@@ -24,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from replaykv.cache.keys import KEY_BYTES, key_hex
 from replaykv.cache.metrics import TierMetrics
@@ -43,24 +44,27 @@ __all__ = [
 
 Payload = bytes | bytearray | memoryview
 
-SNAPSHOT_MAGIC = b"RKVSWA01"
-SNAPSHOT_FRAME = struct.Struct("<8sHHIdQ32s")
+SNAPSHOT_MAGIC = b"RKVSWA02"
+SNAPSHOT_FRAME = struct.Struct("<8sHHIdQ16s16x")
 """Frame of one snapshot value in an external pool (Redis), 64 bytes, little-endian, then the payload.
 
 ====== ===== ==============================================================
 offset bytes field
 ====== ===== ==============================================================
-0      8     magic ``b"RKVSWA01"`` (the version is part of the magic)
+0      8     magic ``b"RKVSWA02"`` (the version is part of the magic)
 8      2     u16 flags (0; reserved)
 10     2     u16 reserved (0)
 12     4     u32 ttl in milliseconds the value was written with
 16     8     f64 put time, Unix seconds of the writer
 24     8     u64 payload length (value length = 64 + this)
-32     32    SHA-256 over (bytes [0, 32) of this header || pool key || payload)
+32     16    XXH3-128 over (bytes [0, 32) of this header || pool key || payload), canonical form
+48     16    reserved (0)
 ====== ===== ==============================================================
 
 The digest covers the key, so a value copied under another key, a foreign value, or a torn
-value fails to decode and is a miss.
+value fails to decode and is a miss. It is a checksum, not an authenticator: whoever can write
+to the pool's Redis can forge any value (a cryptographic hash would not change that, and
+SHA-256 over a 2.7 MB snapshot cost more than the Redis round trip itself).
 """
 _DIGEST_OFFSET = 32
 
@@ -69,13 +73,17 @@ def encode_snapshot_frame(key: bytes, payload: Payload, put_time: float, ttl_s: 
     """``SNAPSHOT_FRAME`` header followed by ``payload`` (one contiguous value)."""
     view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else memoryview(payload)
     ttl_ms = min(0xFFFFFFFF, math.ceil(ttl_s * 1000))
-    head = SNAPSHOT_FRAME.pack(SNAPSHOT_MAGIC, 0, 0, ttl_ms, put_time, view.nbytes, bytes(32))[
+    head = SNAPSHOT_FRAME.pack(SNAPSHOT_MAGIC, 0, 0, ttl_ms, put_time, view.nbytes, bytes(16))[
         :_DIGEST_OFFSET
     ]
-    h = hashlib.sha256(head)
+    return b"".join((head, _frame_digest(head, key, view), bytes(16), view))
+
+
+def _frame_digest(head: Payload, key: bytes, payload: Payload) -> bytes:
+    h = xxhash.xxh3_128(head)
     h.update(key)
-    h.update(view)
-    return b"".join((head, h.digest(), view))
+    h.update(payload)
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -95,10 +103,7 @@ def decode_snapshot_frame(key: bytes, value: bytes) -> DecodedSnapshot | str:
     if len(value) != SNAPSHOT_FRAME.size + length:
         return "bad_length"
     view = memoryview(value)
-    h = hashlib.sha256(view[:_DIGEST_OFFSET])
-    h.update(key)
-    h.update(view[SNAPSHOT_FRAME.size :])
-    if h.digest() != digest:
+    if _frame_digest(view[:_DIGEST_OFFSET], key, view[SNAPSHOT_FRAME.size :]) != digest:
         return "bad_digest"
     return DecodedSnapshot(bytes(view[SNAPSHOT_FRAME.size :]), put_time, ttl_ms / 1000.0)
 
