@@ -10,4 +10,4 @@ test:
 
 lint:
 	.venv/bin/ruff check replaykv tests bench
-	.venv/bin/mypy replaykv
+	.venv/bin/mypy replaykv bench

@@ -64,7 +64,9 @@ def make_checkpoint(directory: Path) -> None:
     for key in ("architectures", "model_type", "qk_rope_head_dim"):
         cfg.pop(key, None)
     torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg, attn_implementation="eager")).eval()
+    config = DeepseekV4Config(**cfg)
+    config._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(config).eval()
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):

@@ -122,7 +122,8 @@ async def one_turn(
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
     t0 = time.perf_counter()
-    ttft, text, n, usage = None, [], 0, {}
+    ttft, text, n = None, [], 0
+    usage: dict[str, Any] = {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
