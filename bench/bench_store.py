@@ -1,10 +1,10 @@
 """Throughput of the storage tiers next to plain baselines measured in the same run.
 
-For: ``python bench/bench_store.py [--dir DIR] [--mib N]``: DirectoryStore put / put_many / get
+For: ``python bench/bench_store.py [--dir DIR] [--mib N] [--write docs/benchmarks.md]``: DirectoryStore put / put_many / get
 versus two plain baselines that move the same bytes (see ``BASELINES``, printed with the table),
 and the SWA pools (memory, Redis on a private ``redis-server``) versus a plain dict / raw
 redis-py SET/GET of the same bytes. Prints Markdown tables of absolute figures and ratios to
-stdout and removes everything it created.
+stdout (and with ``--write`` into its own section of that file) and removes everything it created.
 
 Not for: assertions (tests never time anything) or tuning advice; figures depend on the
 disk, the file system, the page cache, the CPU and whatever else the machine is doing.
@@ -33,6 +33,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from report import replace_section
+
 from replaykv.cache.store import DEFAULT_IO_THREADS, STORE_FORMAT_VERSION, DirectoryStore
 from replaykv.cache.swa_pool import MemorySwaPool, RedisSwaPool
 
@@ -40,6 +42,8 @@ CHUNK_BYTES = 256 * 890  # one 256-token chunk of V4.1-Flash global KV (890 B/to
 SNAPSHOT_BYTES = 40 * 128 * 528  # one V4.1-Flash SWA window snapshot (2,703,360 B)
 BATCH = {CHUNK_BYTES: 16, 16 * CHUNK_BYTES: 4}  # a request's new chunks: one put_many per request
 MiB = 1 << 20
+MARK_BEGIN = "<!-- bench_store:begin -->"
+MARK_END = "<!-- bench_store:end -->"
 
 BASELINES = """\
 Store baselines (same bytes, same run; the store rows' ratios are store MiB/s ÷ baseline MiB/s):
@@ -64,7 +68,7 @@ Store baselines (same bytes, same run; the store rows' ratios are store MiB/s ÷
 {batch_tokens:,}-token request in 256-token chunks), {big_batch} of the second (a {big_tokens:,}-token
 request in 4,096-token entries). Entries written one at a time by `put`, and by 4 threads calling
 `put`, are shown too. Store format version {version}; the store's I/O threads: {threads}.
-Writes run once each (every write creates new files); reads are the best of 3 interleaved
+Writes run once each (every write creates new files); reads are the best of 5 interleaved
 rounds (2 with the cache dropped before each), so a slow spell of a shared machine hits the
 store and its baselines alike.
 """
@@ -263,7 +267,7 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
             "(a)+crc": (file_per_chunk_reads_crc, None),
             "store": (store_gets, None),
         },
-        rounds=3,
+        rounds=5,
     )
     rv = {"(a)": warm["(a)"], "(b)": warm["(b)"]}
     rows += [
@@ -413,6 +417,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--mib", type=int, default=128, help="bytes written per store case, MiB")
+    parser.add_argument("--write", default="", help="also put the tables into this Markdown file")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="replaykv-bench-", dir=args.dir))
     store_rows: list[Row] = []
@@ -433,12 +438,13 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     fs_type = fs[0].split()[1] if fs and len(fs[0].split()) > 1 else "?"
-    print(
+    out: list[str] = [MARK_BEGIN]
+    out.append(
         f"<!-- bench/bench_store.py on {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, zlib {zlib.ZLIB_RUNTIME_VERSION}, "
         f"{fs_type} under {args.dir or tempfile.gettempdir()} -->"
     )
-    print(
+    out.append(
         BASELINES.format(
             batch=BATCH[CHUNK_BYTES],
             batch_tokens=BATCH[CHUNK_BYTES] * 256,
@@ -450,18 +456,23 @@ def main() -> int:
     )
     columns = ["(a)", "(b)"]
     header = ["case", "bytes/op", "ops", "MiB/s", "ops/s", "vs (a)", "vs (b)"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
     for row in store_rows:
-        print("| " + " | ".join(row.cells(columns)) + " |")
-    print()
+        out.append("| " + " | ".join(row.cells(columns)) + " |")
+    out.append("")
     header = ["case", "bytes/op", "ops", "MiB/s", "ops/s", "baseline", "baseline MiB/s", "ratio"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
     for pool_row in pool_rows:
-        print("| " + " | ".join(pool_row.cells()) + " |")
+        out.append("| " + " | ".join(pool_row.cells()) + " |")
     if not any(r.case.startswith("redis") for r in pool_rows):
-        print("\n(redis-server not found: Redis rows skipped)")
+        out.append("\n(redis-server not found: Redis rows skipped)")
+    out.append(MARK_END)
+    section = "\n".join(out)
+    print(section)
+    if args.write:
+        replace_section(args.write, section, MARK_BEGIN, MARK_END, "## Persistent store and SWA pool")
     return 0
 
 
