@@ -291,6 +291,7 @@ DEFAULT_IO_THREADS = 16
 """Threads per store that write and fsync a ``put_many`` batch: a batch of up to this many entries
 waits for one round of overlapping fsyncs. They mostly sleep in ``fsync``; CPU use is the hashing."""
 
+_SIZE_CHANGED = "size_changed"  # _read_verified: the file is not the size the index expected
 _PAYLOAD_FIRST_MAX = 256 << 20  # read payloads up to this size before their header (see _read_verified)
 
 
@@ -774,8 +775,15 @@ class DirectoryStore(GlobalKVStore):
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
-                st = os.fstat(fd)
-                result = self._read_verified(fd, st.st_size, key)
+                # The index knows the file's size, and the read itself shows whether the file
+                # still has it; only then (a new version replaced it since, or it was damaged)
+                # does the read pay for an fstat and a second try at the size the file has.
+                st: os.stat_result | None = None
+                result = self._read_verified(fd, entry.size, key, size_unconfirmed=True)
+                if isinstance(result, str):
+                    st = os.fstat(fd)
+                    if result == _SIZE_CHANGED:
+                        result = self._read_verified(fd, st.st_size, key)
                 if (
                     not self.read_only
                     and not isinstance(result, str)
@@ -799,6 +807,7 @@ class DirectoryStore(GlobalKVStore):
             self.metrics.record_miss()
             return None
         if isinstance(result, str):
+            assert st is not None  # a failed read fstat-ed its file
             self._quarantine_if_same(key, path, st, result)
             self.metrics.record_miss()
             return None
@@ -808,7 +817,7 @@ class DirectoryStore(GlobalKVStore):
 
     @staticmethod
     def _read_verified(
-        fd: int, file_size: int, key: bytes | None, *, sha256: bool = False
+        fd: int, file_size: int, key: bytes | None, *, sha256: bool = False, size_unconfirmed: bool = False
     ) -> tuple[EntryHeader, bytes] | str:
         """Parse and check one entry file; the header and payload, or the reason it is bad.
 
@@ -816,10 +825,17 @@ class DirectoryStore(GlobalKVStore):
         the ``bytes`` returned (no second copy), and the header after it: on a cold cache that is
         one I/O round trip instead of two (the header's page is read with the payload's first).
         The payload's XXH3-64 is checked always, its SHA-256 digest too with ``sha256=True``.
+        With ``size_unconfirmed=True`` (``file_size`` is what the index expects, not an fstat) the
+        read asks for one byte more, and a file of any other size gives :data:`_SIZE_CHANGED`,
+        which is no verdict on the file: the caller reads it again at its real size.
         """
         payload_size = file_size - STORE_HEADER.size
         payload: bytes | None = None
-        if 0 <= payload_size <= _PAYLOAD_FIRST_MAX:
+        if size_unconfirmed:
+            payload = os.pread(fd, payload_size + 1, STORE_HEADER.size) if payload_size >= 0 else b""
+            if len(payload) != payload_size:  # a short pread of a regular file is its end
+                return _SIZE_CHANGED
+        elif 0 <= payload_size <= _PAYLOAD_FIRST_MAX:
             payload = _pread_exact(fd, payload_size, STORE_HEADER.size)
         parsed = EntryHeader.unpack(os.pread(fd, STORE_HEADER.size, 0))
         if isinstance(parsed, str):
