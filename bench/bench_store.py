@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,9 +69,9 @@ Store baselines (same bytes, same run; the store rows' ratios are store MiB/s ÷
 {batch_tokens:,}-token request in 256-token chunks), {big_batch} of the second (a {big_tokens:,}-token
 request in 4,096-token entries). Entries written one at a time by `put`, and by 4 threads calling
 `put`, are shown too. Store format version {version}; the store's I/O threads: {threads}.
-Writes run once each (every write creates new files); reads are the best of 5 interleaved
-rounds (2 with the cache dropped before each), so a slow spell of a shared machine hits the
-store and its baselines alike.
+Writes run once each (every write creates new files); reads are the median of 9 interleaved
+rounds (3 with the cache dropped before each) after one warm-up round, pool operations the
+median of 5, so a slow spell of a shared machine hits the tiers and their baselines alike.
 """
 
 
@@ -136,30 +137,28 @@ def keys(n: int, tag: bytes) -> list[bytes]:
     return [hashlib.sha256(tag + b"-%d" % i).digest() for i in range(n)]
 
 
-def timed(fn: Callable[[], object], repeat: int = 1) -> float:
-    """Best of ``repeat`` runs (in-memory cases repeat to shed scheduler noise)."""
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def interleaved(
     cases: dict[str, tuple[Callable[[], object], Callable[[], None] | None]], rounds: int
 ) -> dict[str, float]:
-    """Best time of each case over ``rounds`` rounds that each run every case once, in turn, so a
-    slow spell of a shared machine hits all cases alike; a case's ``before`` runs untimed first."""
-    best = dict.fromkeys(cases, float("inf"))
-    for _ in range(rounds):
+    """Median time of each case over ``rounds`` rounds that each run every case once, in turn, so
+    a slow spell of a shared machine hits all cases alike; a case's ``before`` runs untimed first.
+    Round 0 only warms up (first reads touch every file's metadata) and is not counted."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds + 1):
         for name, (fn, before) in cases.items():
             if before is not None:
                 before()
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -267,7 +266,7 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
             "(a)+crc": (file_per_chunk_reads_crc, None),
             "store": (store_gets, None),
         },
-        rounds=5,
+        rounds=9,
     )
     rv = {"(a)": warm["(a)"], "(b)": warm["(b)"]}
     rows += [
@@ -282,7 +281,7 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
             "(a)": (file_per_chunk_reads, lambda: drop_page_cache(chunk_files)),
             "store": (store_gets, lambda: drop_page_cache(read_set)),
         },
-        rounds=2,
+        rounds=3,
     )
     cv = {"(a)": cold["(a)"], "(b)": cold["(b)"]}
     rows += [
@@ -323,9 +322,11 @@ def bench_memory_pool(size: int, n: int, rounds: int) -> list[PoolRow]:
                 assert plain.get(key) is not None
 
     ops = n * rounds
+    t = interleaved({name: (fn, None) for name, fn in (("pp", pool_puts), ("dp", dict_puts))}, rounds=5)
+    t |= interleaved({name: (fn, None) for name, fn in (("pg", pool_gets), ("dg", dict_gets))}, rounds=5)
     return [
-        PoolRow("memory pool put", size, ops, timed(pool_puts, 3), "dict set", timed(dict_puts, 3)),
-        PoolRow("memory pool get", size, ops, timed(pool_gets, 3), "dict get", timed(dict_gets, 3)),
+        PoolRow("memory pool put", size, ops, t["pp"], "dict set", t["dp"]),
+        PoolRow("memory pool get", size, ops, t["pg"], "dict get", t["dg"]),
     ]
 
 
@@ -403,9 +404,11 @@ def bench_redis_pool(url: str, size: int, n: int, rounds: int) -> list[PoolRow]:
                 assert raw.get(key) is not None
 
     ops = n * rounds
+    t = interleaved({name: (fn, None) for name, fn in (("pp", pool_puts), ("rp", raw_puts))}, rounds=5)
+    t |= interleaved({name: (fn, None) for name, fn in (("pg", pool_gets), ("rg", raw_gets))}, rounds=5)
     rows = [
-        PoolRow("redis pool put", size, ops, timed(pool_puts, 3), "raw SET EX", timed(raw_puts, 3)),
-        PoolRow("redis pool get", size, ops, timed(pool_gets, 3), "raw GET", timed(raw_gets, 3)),
+        PoolRow("redis pool put", size, ops, t["pp"], "raw SET EX", t["rp"]),
+        PoolRow("redis pool get", size, ops, t["pg"], "raw GET", t["rg"]),
     ]
     raw.flushdb()
     pool.close()
