@@ -160,7 +160,8 @@ def _join(docs: list[bytes]) -> np.ndarray:
 # ---------------------------------------------------------------------------- the mixture
 @dataclass
 class Batch:
-    """ids [B, L] long; targets [B, L] bool (position t is a loss target, predicted by row t-1);
+    """ids [B, L] long; targets [B, L] float32, the loss weight of position t (predicted by row
+    t-1; 0: no loss; 1 for text, the phase's `answer_weight` for task answers and train spans);
     prompt_len: P, the follow-up boundary shared by every row; cut: the encoder bounded-replay
     cut (0: none); kinds: the row kinds; samples: the task samples (None for text rows)."""
 
@@ -197,7 +198,8 @@ class MixtureSampler:
         probs = np.array([phase.mixture.weights[k] for k in names], dtype=np.float64)
         probs /= probs.sum()
         ids = np.zeros((phase.batch, length), dtype=np.int64)
-        targets = np.zeros((phase.batch, length), dtype=bool)
+        targets = np.zeros((phase.batch, length), dtype=np.float32)
+        answer_weight = phase.answer_weight
         kinds: list[str] = []
         samples: list[TaskSample | None] = []
         for row in range(phase.batch):
@@ -215,15 +217,15 @@ class MixtureSampler:
             prose = bool(rng.uniform() < phase.mixture.prose_fraction)
             if sample is None:
                 ids[row] = self.corpus.window(rng, length, prose)
-                targets[row, 1:] = True
+                targets[row, 1:] = 1.0
                 continue
             head = [*sample.prompt, *sample.answer, TOKENIZER.eos_id]
             ids[row, : len(head)] = head
             ids[row, len(head) :] = self.corpus.window(rng, length - len(head), prose)
-            targets[row, prompt_len : prompt_len + len(sample.answer)] = True
+            targets[row, prompt_len : prompt_len + len(sample.answer)] = answer_weight
             for s0, s1 in sample.train_spans:
-                targets[row, s0:s1] = True
-            targets[row, len(head) :] = True
+                targets[row, s0:s1] = answer_weight
+            targets[row, len(head) :] = 1.0
         return Batch(
             torch.from_numpy(ids), torch.from_numpy(targets), prompt_len, cut, tuple(kinds), tuple(samples)
         )

@@ -269,7 +269,8 @@ def _gather(pieces: list[Piece], layer: int, start: int, end: int) -> tuple[Resi
 
 # ---------------------------------------------------------------------------- training losses
 def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over masked positions. logits [B, T, V], targets/mask [B, T]."""
+    """Cross-entropy averaged with the weights `mask` (bool: the plain mean over the masked
+    positions). logits [B, T, V], targets/mask [B, T]."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
     m = mask.reshape(-1).to(ce.dtype)
     return (ce * m).sum() / m.sum().clamp(min=1.0)
@@ -287,7 +288,7 @@ def path_losses(
 ) -> dict[str, torch.Tensor]:
     """Losses of one batch on the paths of the module docstring.
 
-    ids, targets [B, L] (targets[t]: position t carries loss). `full`: the full-path loss;
+    ids, targets [B, L] (targets[t]: the loss weight of position t, bool or float). `full`: the full-path loss;
     `follow_up`: the follow-up's loss under decoder replay ("decoder") or, with cut > 0, encoder
     bounded replay at `cut` as well ("bounded"). The encoder pass of the full path is shared.
     """

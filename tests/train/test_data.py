@@ -68,16 +68,39 @@ def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore
             seen.add(kind)
             t = batch.targets[row]
             if sample is None:
-                assert kind == "text" and t[1:].all()
+                assert kind == "text" and (t[1:] == 1).all()
                 continue
             n = len(sample.answer)
             assert batch.ids[row, :p].tolist() == list(sample.prompt)
             assert batch.ids[row, p : p + n].tolist() == list(sample.answer)
-            assert t[p : p + n].all() and not t[p + n]  # the <|eos|> after the answer is no target
+            assert (t[p : p + n] == recipe.phases[0].answer_weight).all() and not t[
+                p + n
+            ]  # <|eos|>: no target
             in_prompt = {i for a, b in sample.train_spans for i in range(a, b)}
             assert {i for i in range(p) if t[i]} == in_prompt
-            assert t[p + n + 1 :].all()  # packed text after the sample
+            assert (t[p + n + 1 :] == 1).all()  # packed text after the sample
     assert len(seen) >= 4
+
+
+def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
+    recipe = small()
+    weighted = dataclasses.replace(
+        recipe, phases=(dataclasses.replace(recipe.phases[0], answer_weight=25.0), *recipe.phases[1:])
+    )
+    plain, heavy = (MixtureSampler(corpus["train"], r, window=128).batch(2) for r in (recipe, weighted))
+    assert (plain.ids == heavy.ids).all()  # the weight changes the loss, not the data
+    answer = np.zeros(plain.targets.shape, dtype=bool)
+    for row, sample in enumerate(plain.samples):
+        if sample is not None:
+            p = plain.prompt_len
+            answer[row, p : p + len(sample.answer)] = True
+            for a, b in sample.train_spans:
+                answer[row, a:b] = True
+    assert answer.any() and (plain.targets.numpy()[answer] == 1).all()
+    assert (heavy.targets.numpy()[answer] == 25).all()
+    assert (heavy.targets.numpy()[~answer] == plain.targets.numpy()[~answer]).all()
+    with pytest.raises(ValueError, match="answer_weight"):
+        dataclasses.replace(recipe.phases[0], answer_weight=0.0)
 
 
 def _check_answer(sample, prompt: str) -> None:  # type: ignore[no-untyped-def]
