@@ -225,7 +225,7 @@ def train(
         step, seconds, tokens = state["step"], state["seconds"], state["tokens"]
     else:
         torch.manual_seed(recipe.seed)
-        (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+    (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")  # what this code runs
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
     balance = RouterBalance(model, recipe.router_bias_rate)
