@@ -14,5 +14,5 @@ fi
 scripts/install.sh serve,test
 . .venv/bin/activate
 ruff check replaykv tests bench
-mypy replaykv
+mypy replaykv bench
 python -m pytest -q "$@"
