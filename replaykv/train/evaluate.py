@@ -232,7 +232,7 @@ def render_card(
         lines.append(
             f"- Phase `{p.name}`: {p.steps} steps × {p.batch} × {p.seq_len} tokens; mixture {mix}; "
             f"paths: full {p.paths.full:g}, decoder replay {p.paths.decoder_replay:g}, "
-            f"bounded replay probability {p.paths.bounded_prob:g}."
+            f"bounded replay probability {p.paths.bounded_prob:g}; answer tokens weigh {p.answer_weight:g}."
         )
     hours = training.get("seconds", 0.0) / 3600
     lines += [
@@ -244,7 +244,8 @@ def render_card(
         f"clip {recipe.grad_clip:g}; indexer KL weight {recipe.indexer_loss:g}; aux-loss-free router "
         f"balancing rate {recipe.router_bias_rate:g}.",
         f"- Steps: {training.get('steps')}, tokens: {training.get('tokens', 0):,}, wall time "
-        f"{hours:.2f} h on {training.get('device', '?')} ({training.get('threads', '?')} threads), "
+        f"{hours:.2f} h on {training.get('device', '?')} ({training.get('threads', '?')} threads, torch "
+        f"{training.get('torch', '?')}, {training.get('cpu_kernels', '?')} CPU kernels), "
         f"final training loss {training.get('final_loss', float('nan')):.3f}.",
         f"- Reproduce: `{reproduce}`",
         "",

@@ -127,7 +127,10 @@ def test_export_card_and_cli(tmp_path, corpus) -> None:  # type: ignore[no-untyp
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     card = (tmp_path / "MODEL_CARD.md").read_text()
     assert "bits per byte" in card and "| passkey" in card and "worst offset" in card
+    assert f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()} CPU kernels" in card
+    assert "answer tokens weigh 1." in card
     metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["training"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert metrics["tasks"]["passkey"]["full"]["n"] == 1 and "8" in metrics["tasks"]["passkey"]["offsets"]
     model = load_model(tmp_path)
     view = allocate_view(ModelSpec.from_config(model.config), 1, 8)
