@@ -322,8 +322,8 @@ def bench_memory_pool(size: int, n: int, rounds: int) -> list[PoolRow]:
                 assert plain.get(key) is not None
 
     ops = n * rounds
-    t = interleaved({name: (fn, None) for name, fn in (("pp", pool_puts), ("dp", dict_puts))}, rounds=5)
-    t |= interleaved({name: (fn, None) for name, fn in (("pg", pool_gets), ("dg", dict_gets))}, rounds=5)
+    t = interleaved({"pp": (pool_puts, None), "dp": (dict_puts, None)}, rounds=5)
+    t |= interleaved({"pg": (pool_gets, None), "dg": (dict_gets, None)}, rounds=5)
     return [
         PoolRow("memory pool put", size, ops, t["pp"], "dict set", t["dp"]),
         PoolRow("memory pool get", size, ops, t["pg"], "dict get", t["dg"]),
@@ -404,8 +404,8 @@ def bench_redis_pool(url: str, size: int, n: int, rounds: int) -> list[PoolRow]:
                 assert raw.get(key) is not None
 
     ops = n * rounds
-    t = interleaved({name: (fn, None) for name, fn in (("pp", pool_puts), ("rp", raw_puts))}, rounds=5)
-    t |= interleaved({name: (fn, None) for name, fn in (("pg", pool_gets), ("rg", raw_gets))}, rounds=5)
+    t = interleaved({"pp": (pool_puts, None), "rp": (raw_puts, None)}, rounds=5)
+    t |= interleaved({"pg": (pool_gets, None), "rg": (raw_gets, None)}, rounds=5)
     rows = [
         PoolRow("redis pool put", size, ops, t["pp"], "raw SET EX", t["rp"]),
         PoolRow("redis pool get", size, ops, t["pg"], "raw GET", t["rg"]),

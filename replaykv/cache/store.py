@@ -152,28 +152,18 @@ class EntryHeader(NamedTuple):
     @classmethod
     def unpack(cls, raw: bytes) -> EntryHeader | str:
         """The header, or the reason (a short string) it cannot be trusted."""
-        if len(raw) == STORE_HEADER.size:  # the common case: one unpack, one CRC
-            magic, version, layout, flags, created, length, ns, key, digest, payload_xxh3, crc = (
-                STORE_HEADER.unpack(raw)
-            )
-            if (
-                magic == STORE_MAGIC
-                and version == STORE_FORMAT_VERSION
-                and zlib.crc32(raw[:_CRC_OFFSET]) == crc
-            ):
-                return cls(version, layout, flags, created, length, ns, key, digest, payload_xxh3)
         if len(raw) < _VERSION_PREFIX.size:
             return "truncated"
-        magic, version = _VERSION_PREFIX.unpack_from(raw)
+        whole = len(raw) >= STORE_HEADER.size  # one unpack of everything in the common case
+        fields = STORE_HEADER.unpack_from(raw) if whole else _VERSION_PREFIX.unpack_from(raw)
+        magic, version = fields[0], fields[1]
         if magic != STORE_MAGIC:
             return "bad_magic"
         if version != STORE_FORMAT_VERSION:
             return "wrong_version"
-        if len(raw) < STORE_HEADER.size:
+        if not whole:
             return "truncated"
-        _, _, layout, flags, created, length, ns, key, digest, payload_xxh3, crc = STORE_HEADER.unpack_from(
-            raw
-        )
+        _, _, layout, flags, created, length, ns, key, digest, payload_xxh3, crc = fields
         if zlib.crc32(raw[:_CRC_OFFSET]) != crc:
             return "bad_header_crc"
         return cls(version, layout, flags, created, length, ns, key, digest, payload_xxh3)

@@ -277,12 +277,17 @@ def train(
         balance.remove()
     exported = False
     if step >= recipe.total_steps and evaluate_at_end:
-        training = {"steps": step, "tokens": tokens, "seconds": seconds, "device": str(dev)}
-        # The torch build and the vector kernels it picked set the float rounding: part of the record.
-        training.update({"torch": torch.__version__, "cpu_kernels": torch.backends.cpu.get_cpu_capability()})
-        training.update(
-            {"threads": torch.get_num_threads(), "final_loss": float(np.mean(losses[-20:] or [np.nan]))}
-        )
+        training = {
+            "steps": step,
+            "tokens": tokens,
+            "seconds": seconds,
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            # The torch build and the vector kernels it picked set the float rounding.
+            "torch": torch.__version__,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "final_loss": float(np.mean(losses[-20:] or [np.nan])),
+        }
         export(model, out, recipe, corpus, training, init)
         exported = True
     return TrainResult(step, tokens, seconds, losses, out, exported)

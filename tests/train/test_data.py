@@ -73,9 +73,8 @@ def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore
             n = len(sample.answer)
             assert batch.ids[row, :p].tolist() == list(sample.prompt)
             assert batch.ids[row, p : p + n].tolist() == list(sample.answer)
-            assert (t[p : p + n] == recipe.phases[0].answer_weight).all() and not t[
-                p + n
-            ]  # <|eos|>: no target
+            assert (t[p : p + n] == recipe.phases[0].answer_weight).all()
+            assert not t[p + n]  # the <|eos|> after the answer is no target
             in_prompt = {i for a, b in sample.train_spans for i in range(a, b)}
             assert {i for i in range(p) if t[i]} == in_prompt
             assert (t[p + n + 1 :] == 1).all()  # packed text after the sample
