@@ -118,7 +118,7 @@ class LayerClock:
     def __init__(self, model: DeepseekV41ForCausalLM) -> None:
         self.times: list[float] = []
         self._t0 = 0.0
-        self.handles = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
         for layer in model.model.layers:
             self.handles.append(layer.register_forward_pre_hook(self._start))
             self.handles.append(layer.register_forward_hook(self._stop))
