@@ -190,9 +190,7 @@ def bench_miss_paths(
     }
     calls = {name: layer_calls(plan) for name, (plan, *_) in cases.items()}
     times: dict[str, list[float]] = {name: [] for name in cases}
-    recovering: dict[str, list[float]] = {name: [] for name in cases}  # in replay and rebuild calls
-    other: dict[str, list[float]] = {name: [] for name in cases}  # in the other layer calls
-    per_call: dict[str, list[list[float]]] = {name: [] for name in cases}
+    per_call: dict[str, list[list[float]]] = {name: [] for name in cases}  # each run's layer-call times
 
     def fresh(dropped: bool) -> CacheView:
         view = clone_view(base)
@@ -212,12 +210,18 @@ def bench_miss_paths(
             t0 = time.perf_counter()
             execute(model, plan, ids[:, :tokens], view)
             times[name].append(time.perf_counter() - t0)
-            layer_times = clock.take()
-            per_call[name].append(layer_times)
-            flags = [c[2] for c in calls[name]]
-            recovering[name].append(sum(t for t, f in zip(layer_times, flags, strict=True) if f))
-            other[name].append(sum(t for t, f in zip(layer_times, flags, strict=True) if not f))
+            per_call[name].append(clock.take())
     clock.close()
+
+    def layer_time(name: str, recovery: bool) -> list[float]:
+        """Per run, the time inside the replay and rebuild calls (recovery) or the other calls."""
+        return [
+            sum(t for t, (_, _, rc) in zip(run, calls[name], strict=True) if rc == recovery)
+            for run in per_call[name]
+        ]
+
+    recovering = {name: layer_time(name, True) for name in cases}
+    other = {name: layer_time(name, False) for name in cases}
 
     def paired(name: str, series: dict[str, list[float]]) -> float:
         return statistics.median(t - h for t, h in zip(series[name], series["hit"], strict=False))
@@ -237,7 +241,8 @@ def bench_miss_paths(
     ):
         assert layer == layer_h, "the two hits call the layers in the same order"
         t1, t = statistics.median(c1), statistics.median(c)
-        rate[layer] = (t1 - rows1 * (t - t1) / (rows - rows1), (t - t1) / (rows - rows1))
+        per_row = (t - t1) / (rows - rows1)
+        rate[layer] = (t1 - rows1 * per_row, per_row)
 
     def priced(name: str) -> float:
         return sum(rate[lay][0] + rate[lay][1] * rows for lay, rows, rc in calls[name] if rc)

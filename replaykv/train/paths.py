@@ -268,12 +268,12 @@ def _gather(pieces: list[Piece], layer: int, start: int, end: int) -> tuple[Resi
 
 
 # ---------------------------------------------------------------------------- training losses
-def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged with the weights `mask` (bool: the plain mean over the masked
-    positions). logits [B, T, V], targets/mask [B, T]."""
+def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged with per-position `weights` (bool: the plain mean over the True
+    positions). logits [B, T, V], targets/weights [B, T]."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
-    m = mask.reshape(-1).to(ce.dtype)
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
+    w = weights.reshape(-1).to(ce.dtype)
+    return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
 def path_losses(
@@ -300,7 +300,7 @@ def path_losses(
     with guard:
         if full:
             logits, pieces = run_plan(model, plan, ids, view)
-            losses["full"] = masked_ce(logits[:, :-1], ids[:, 1:], targets[:, 1:])
+            losses["full"] = weighted_ce(logits[:, :-1], ids[:, 1:], targets[:, 1:])
         else:
             encoder = dataclasses.replace(plan, segments=plan.segments[:1], logits_rows=(0, 0))
             _, pieces = run_plan(model, encoder, ids, view)
@@ -310,7 +310,7 @@ def path_losses(
             logits, _ = run_plan(model, up, ids, fork, reuse=None if cut else pieces[:1])
             r0, p = up.logits_rows[0], prompt_len
             name = "bounded" if cut else "decoder"
-            losses[name] = masked_ce(logits[:, p - 1 - r0 : length - 1 - r0], ids[:, p:], targets[:, p:])
+            losses[name] = weighted_ce(logits[:, p - 1 - r0 : length - 1 - r0], ids[:, p:], targets[:, p:])
     return losses
 
 

@@ -33,9 +33,9 @@ from replaykv.train.paths import (
     follow_up_plan,
     fork_view,
     full_plan,
-    masked_ce,
     path_losses,
     run_plan,
+    weighted_ce,
 )
 from replaykv.train.recipes import EvalSpec, Mixture, Paths, Phase, tiny
 
@@ -319,12 +319,12 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(corpus) -> None:  # t
         assert torch.allclose(g, grads[1][name], rtol=1e-3, atol=1e-6), name
 
 
-def test_masked_ce_is_the_weighted_mean_of_the_token_losses() -> None:
+def test_weighted_ce_is_the_weighted_mean_of_the_token_losses() -> None:
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     weights = torch.tensor([[0.0, 1.0, 1.0, 50.0, 50.0], [1.0, 0.0, 0.0, 1.0, 50.0]])
     per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     expected = (per_token * weights).sum() / weights.sum()
-    assert torch.allclose(masked_ce(logits, targets, weights), expected)
+    assert torch.allclose(weighted_ce(logits, targets, weights), expected)
     as_bool = weights > 0
-    assert torch.allclose(masked_ce(logits, targets, as_bool), per_token[as_bool].mean())
+    assert torch.allclose(weighted_ce(logits, targets, as_bool), per_token[as_bool].mean())
