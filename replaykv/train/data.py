@@ -10,6 +10,7 @@ loss mask, so a batch is a pure function of its step (resuming needs no data sta
 
     text row   [corpus window .................................]  loss everywhere
     task row   [prompt (exactly P tokens) | answer | eos | text ]  loss on answers, tool calls, text
+    copy row   [text .. S1 .. S2 .. S1 .. text .. S2 .. text ...]  loss on text and each repeat
 
 All rows of a batch share the prompt length P and, in replay-adaptation steps, the cut point, so
 the replay paths can run them as one batch. Not for: running the model (see
@@ -157,11 +158,55 @@ def _join(docs: list[bytes]) -> np.ndarray:
     return np.frombuffer(bytes([_SEP]).join(docs), dtype=np.uint8) if docs else np.zeros(0, np.uint8)
 
 
+# ---------------------------------------------------------------------------- copy rows
+COPY_ALPHABET = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)
+
+
+def copy_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, window: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """A corpus window with random strings, each written twice: ids [length], a copy mask
+    [length] (True on a repeat's bytes after its first, the only predictable ones) and the
+    (first, repeat, size) of each string.
+
+    About one string of 6-32 bytes (upper case and digits) per 64 bytes; half of the repeats
+    follow within the `window`, the others anywhere later in the row. A first occurrence and a
+    repeat's first byte are random: the sampler gives them no loss."""
+    ids = corpus.window(rng, length, prose)
+    used = np.zeros(length, dtype=bool)
+    copy = np.zeros(length, dtype=bool)
+    pairs: list[tuple[int, int, int]] = []
+    for _ in range(max(1, length // 64)):
+        for _attempt in range(8):
+            size = int(rng.integers(6, 33))
+            room = length - 2 * size
+            if room < 0:
+                break
+            near = rng.uniform() < 0.5
+            gap = int(rng.integers(0, min(window, room) + 1)) if near else int(rng.integers(0, room + 1))
+            first = int(rng.integers(0, room - gap + 1))
+            repeat = first + size + gap
+            if (
+                used[max(0, first - 1) : first + size + 1].any()
+                or used[max(0, repeat - 1) : repeat + size + 1].any()
+            ):
+                continue
+            text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), size)]
+            ids[first : first + size] = text
+            ids[repeat : repeat + size] = text
+            used[first : first + size] = used[repeat : repeat + size] = True
+            copy[repeat + 1 : repeat + size] = True
+            pairs.append((first, repeat, size))
+            break
+    return ids, copy, sorted(pairs)
+
+
 # ---------------------------------------------------------------------------- the mixture
 @dataclass
 class Batch:
     """ids [B, L] long; targets [B, L] float32, the loss weight of position t (predicted by row
-    t-1; 0: no loss; 1 for text, the phase's `answer_weight` for task answers and train spans);
+    t-1; 0: no loss; 1 for text, the phase's `answer_weight` for task answers and train spans,
+    its `copy_weight` for copy rows' repeats);
     prompt_len: P, the follow-up boundary shared by every row; cut: the encoder bounded-replay
     cut (0: none); kinds: the row kinds; samples: the task samples (None for text rows)."""
 
@@ -215,6 +260,14 @@ class MixtureSampler:
             kinds.append(kind)
             samples.append(sample)
             prose = bool(rng.uniform() < phase.mixture.prose_fraction)
+            if kind == "copy":
+                ids[row], mask, pairs = copy_row(rng, self.corpus, length, w, prose)
+                targets[row, 1:] = 1.0
+                for first, repeat, size in pairs:
+                    targets[row, first : first + size] = 0.0
+                    targets[row, repeat] = 0.0
+                targets[row, mask] = phase.copy_weight
+                continue
             if sample is None:
                 ids[row] = self.corpus.window(rng, length, prose)
                 targets[row, 1:] = 1.0

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from replaykv.model.checkpoint import cast_model, load_model, save_pretrained
 from replaykv.model.init import init_weights
-from replaykv.model.layers import RouterV41
+from replaykv.model.layers import HyperConnection, HyperHead, RouterV41
 from replaykv.model.presets_v41 import get_preset_v41
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
@@ -125,15 +125,34 @@ def _fresh(recipe: Recipe, seed: int | None = None) -> DeepseekV41ForCausalLM:
     return model.train()
 
 
+HC_MODULES = (HyperConnection, HyperHead)
+
+
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norms, sinks, biases and mixes are left alone)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """AdamW with weight decay on matrices only (norms, sinks, biases and mixes are left alone);
+    the mHC mixing parameters run at ``recipe.hc_lr_scale`` times the rate, without decay. Each
+    group's ``lr_scale`` multiplies the schedule's rate (see :func:`set_lr`)."""
+    hc_ids = {id(p) for m in model.modules() if isinstance(m, HC_MODULES) for p in m.parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": decay, "weight_decay": recipe.weight_decay},
-        {"params": other, "weight_decay": 0.0},
+        {
+            "params": [p for p in params if id(p) not in hc_ids and p.dim() >= 2],
+            "weight_decay": recipe.weight_decay,
+        },
+        {"params": [p for p in params if id(p) not in hc_ids and p.dim() < 2], "weight_decay": 0.0},
+        {
+            "params": [p for p in params if id(p) in hc_ids],
+            "weight_decay": 0.0,
+            "lr_scale": recipe.hc_lr_scale,
+        },
     ]
-    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr, betas=recipe.betas, eps=1e-8)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's rate `lr` times each parameter group's ``lr_scale`` (default 1)."""
+    for group in opt.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -240,8 +259,7 @@ def train(
             phase = recipe.phase_at(step)
             batch = sampler.batch(step)
             lr = recipe.lr_at(step)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
             parts = accumulate_gradients(model, spec, batch, phase, recipe, distill, dev, micro_batch)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class Mixture:
     """Sampling weights of the row kinds (normalised when sampled) and, for text rows, the share
-    of prose (docstrings) versus code."""
+    of prose (docstrings) versus code. `copy` rows are text with random strings repeated later in
+    the row (see :func:`replaykv.train.data.copy_row`): dense copy targets at distances inside
+    and beyond the window, the skill every retrieval task is built on."""
 
     text: float = 0.45
     passkey: float = 0.15
@@ -27,6 +29,7 @@ class Mixture:
     chain: float = 0.10
     extract: float = 0.09
     tool: float = 0.09
+    copy: float = 0.0
     prose_fraction: float = 0.3
 
     def __post_init__(self) -> None:
@@ -44,6 +47,7 @@ class Mixture:
             "chain": self.chain,
             "extract": self.extract,
             "tool": self.tool,
+            "copy": self.copy,
         }
 
 
@@ -77,7 +81,8 @@ class Phase:
     micro-batches of `micro_batch` sequences (memory only: the gradient is the same up to float
     summation order; None: the whole batch at once). `answer_weight`: the loss weight of a task's
     answer (and train-span) tokens relative to a text token; a batch of 8 × 1,024 holds about
-    5,000 text targets and 100 answer tokens, so at 1 the tasks are about 2% of the loss."""
+    5,000 text targets and 100 answer tokens, so at 1 the tasks are about 2% of the loss.
+    `copy_weight`: the loss weight of a copy row's repeated bytes (after each repeat's first)."""
 
     name: str
     steps: int
@@ -87,12 +92,15 @@ class Phase:
     paths: Paths = field(default_factory=Paths)
     micro_batch: int | None = None
     answer_weight: float = 1.0
+    copy_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
             raise ValueError(f"phase {self.name}: steps and batch must be positive")
         if not self.answer_weight > 0:
             raise ValueError(f"phase {self.name}: answer_weight must be positive")
+        if not self.copy_weight > 0:
+            raise ValueError(f"phase {self.name}: copy_weight must be positive")
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,11 @@ class Recipe:
     min_lr: float
     warmup: int
     weight_decay: float = 0.1
+    # Learning-rate factor of the mHC mixing parameters (no weight decay). Each post-mix logit is
+    # a dot product over hc_mult × hidden inputs, so at the full rate Adam can move it by ~2 per
+    # step: at 1.0 the `small` run had shut 11 of its 24 branches (post mix 2·sigmoid < 0.12)
+    # by step 700.
+    hc_lr_scale: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     seed: int = 1234
@@ -147,6 +160,8 @@ class Recipe:
             raise ValueError("warmup must be shorter than the recipe")
         if self.min_lr > self.lr:
             raise ValueError("min_lr must not exceed lr")
+        if not self.hc_lr_scale > 0:
+            raise ValueError("hc_lr_scale must be positive")
 
     @property
     def total_steps(self) -> int:
@@ -197,7 +212,7 @@ _SMALL_QUICK = EvalSpec(
 
 def tiny() -> Recipe:
     """A few seconds on a CPU: the test-suite recipe (tiny preset, short sequences)."""
-    mix = Mixture(text=0.5, passkey=0.2, multihop=0.15, chain=0.15, extract=0.0, tool=0.0)
+    mix = Mixture(text=0.4, passkey=0.2, multihop=0.15, chain=0.15, extract=0.0, tool=0.0, copy=0.1)
     spec = EvalSpec(
         prompt_len=144,
         cases=2,
@@ -228,28 +243,44 @@ def tiny() -> Recipe:
 
 
 TASK_ANSWER_WEIGHT = 50.0  # task answers ~ half of a 8 × 1,024 batch's loss (Phase.answer_weight)
+COPY_WEIGHT = 5.0  # copy rows' repeats ~ 15% of it (Phase.copy_weight)
+SMALL_MIXTURE = Mixture(
+    text=0.40, passkey=0.13, multihop=0.10, chain=0.09, extract=0.07, tool=0.07, copy=0.14
+)
 
 
 def small() -> Recipe:
     """The shipped base model: 3,000 steps of 8 × 1,024 tokens, then 400 steps of 2 × 4,096
-    tokens so that 4K contexts are seen in training (27.9M tokens in all). The first 550 steps
-    weigh an answer token like a text token; from step 550 on, task answers weigh 50 times as
-    much (about half the loss): at step 513 the model could not yet copy even a repeated digit
-    string inside its window, and the tasks were 2% of the loss."""
+    tokens so that 4K contexts are seen in training (27.9M tokens in all).
+
+    Task answers weigh 50 times a text token (about half the loss; at weight 1 they are 2% of it)
+    and one row in seven is a copy row, from the first step: a run without copy rows, with task
+    answers at weight 1 for its first 550 steps and the mHC mixes at the full learning rate,
+    could not yet copy a repeated digit string inside its window at step 700."""
     return Recipe(
         name="small",
         preset="v41-small",
         phases=(
-            Phase("base", steps=550, seq_len=1024, batch=8, micro_batch=2),
             Phase(
-                "base-tasks",
-                steps=2450,
+                "base",
+                steps=3000,
                 seq_len=1024,
                 batch=8,
                 micro_batch=2,
+                mixture=SMALL_MIXTURE,
                 answer_weight=TASK_ANSWER_WEIGHT,
+                copy_weight=COPY_WEIGHT,
             ),
-            Phase("long", steps=400, seq_len=4096, batch=2, micro_batch=1, answer_weight=TASK_ANSWER_WEIGHT),
+            Phase(
+                "long",
+                steps=400,
+                seq_len=4096,
+                batch=2,
+                micro_batch=1,
+                mixture=SMALL_MIXTURE,
+                answer_weight=TASK_ANSWER_WEIGHT,
+                copy_weight=COPY_WEIGHT,
+            ),
         ),
         lr=2e-3,
         min_lr=2e-4,
@@ -276,7 +307,9 @@ def adapt() -> Recipe:
                 batch=8,
                 paths=paths,
                 micro_batch=2,
+                mixture=SMALL_MIXTURE,
                 answer_weight=TASK_ANSWER_WEIGHT,
+                copy_weight=COPY_WEIGHT,
             ),
         ),
         lr=3e-4,

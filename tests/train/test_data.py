@@ -11,7 +11,15 @@ import re
 import numpy as np
 import pytest
 
-from replaykv.train.data import MixtureSampler, list_files, load_corpus, split_of, stdlib_root
+from replaykv.train.data import (
+    COPY_ALPHABET,
+    MixtureSampler,
+    copy_row,
+    list_files,
+    load_corpus,
+    split_of,
+    stdlib_root,
+)
 from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
 from replaykv.train.tasks import TASKS, TOKENIZER, generate, score
 
@@ -67,6 +75,9 @@ def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore
         for row, (kind, sample) in enumerate(zip(batch.kinds, batch.samples, strict=True)):
             seen.add(kind)
             t = batch.targets[row]
+            if kind == "copy":  # checked in detail by test_copy_rows_repeat_random_strings
+                assert set(t[1:].unique().tolist()) == {0.0, 1.0, recipe.phases[0].copy_weight}
+                continue
             if sample is None:
                 assert kind == "text" and (t[1:] == 1).all()
                 continue
@@ -79,6 +90,41 @@ def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore
             assert {i for i in range(p) if t[i]} == in_prompt
             assert (t[p + n + 1 :] == 1).all()  # packed text after the sample
     assert len(seen) >= 4
+
+
+def test_copy_rows_repeat_random_strings(corpus) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(5)
+    near = far = 0
+    for _ in range(20):
+        ids, mask, pairs = copy_row(rng, corpus["train"], 1024, window=128)
+        assert ids.shape == mask.shape == (1024,) and len(pairs) >= 8
+        expected = np.zeros(1024, dtype=bool)
+        covered = np.zeros(1024, dtype=int)
+        for first, repeat, size in pairs:
+            assert 6 <= size <= 32 and first + size <= repeat and repeat + size <= 1024
+            assert (ids[first : first + size] == ids[repeat : repeat + size]).all()
+            assert np.isin(ids[first : first + size], COPY_ALPHABET).all()
+            expected[repeat + 1 : repeat + size] = True
+            covered[first : first + size] += 1
+            covered[repeat : repeat + size] += 1
+            gap = repeat - first - size
+            near, far = near + (gap <= 128), far + (gap > 128)
+        assert (mask == expected).all() and covered.max() == 1  # strings never overlap
+    assert near > 40 and far > 40  # both sides of the window
+
+    recipe = small()
+    weight = recipe.phases[0].copy_weight
+    s = MixtureSampler(corpus["train"], recipe, window=128)
+    rows = [
+        (b.ids[i], b.targets[i])
+        for b in map(s.batch, range(12))
+        for i, k in enumerate(b.kinds)
+        if k == "copy"
+    ]
+    assert rows
+    for ids, t in rows:
+        at = np.flatnonzero(t.numpy() == weight)
+        assert len(at) > 100 and np.isin(ids[at].numpy(), COPY_ALPHABET).all()
 
 
 def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
@@ -95,7 +141,7 @@ def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: igno
             answer[row, p : p + len(sample.answer)] = True
             for a, b in sample.train_spans:
                 answer[row, a:b] = True
-    assert answer.any() and (plain.targets.numpy()[answer] == 1).all()
+    assert answer.any() and (plain.targets.numpy()[answer] == recipe.phases[0].answer_weight).all()
     assert (heavy.targets.numpy()[answer] == 25).all()
     assert (heavy.targets.numpy()[~answer] == plain.targets.numpy()[~answer]).all()
     with pytest.raises(ValueError, match="answer_weight"):

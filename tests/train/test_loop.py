@@ -328,3 +328,23 @@ def test_weighted_ce_is_the_weighted_mean_of_the_token_losses() -> None:
     assert torch.allclose(weighted_ce(logits, targets, weights), expected)
     as_bool = weights > 0
     assert torch.allclose(weighted_ce(logits, targets, as_bool), per_token[as_bool].mean())
+
+
+def test_mhc_mixes_get_their_own_rate_without_weight_decay() -> None:
+    model = _model(quant=False)
+    recipe = dataclasses.replace(tiny(), hc_lr_scale=0.1)
+    opt = loop.make_optimizer(model, recipe)
+    hc = {id(p) for m in model.modules() if isinstance(m, loop.HC_MODULES) for p in m.parameters()}
+    assert hc and sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    loop.set_lr(opt, 2e-3)
+    for group in opt.param_groups:
+        ids = {id(p) for p in group["params"]}
+        if ids & hc:
+            assert ids == hc and group["weight_decay"] == 0.0 and group["lr"] == pytest.approx(2e-4)
+        else:
+            assert group["lr"] == 2e-3
+            assert group["weight_decay"] == (
+                recipe.weight_decay if all(p.dim() >= 2 for p in group["params"]) else 0
+            )
+    with pytest.raises(ValueError, match="hc_lr_scale"):
+        dataclasses.replace(recipe, hc_lr_scale=0.0)
