@@ -128,11 +128,65 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             col += e
             c /= col
         return torch.from_numpy(c)
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+    if comb.requires_grad:
+        out: torch.Tensor = _Sinkhorn.apply(comb, iters, eps)
+        return out
+    return _sinkhorn_matrix_first(comb.movedim((-2, -1), (0, 1)).contiguous(), iters, eps)[0].movedim(
+        (0, 1), (-2, -1)
+    )
+
+
+def _sinkhorn_dims(iters: int) -> list[int]:
+    """The dimension each normalisation sums over, matrix-first layout [n, n, ...]: 0 (columns),
+    then 1 (rows) and 0 per further iteration."""
+    return [0] + [1, 0] * (iters - 1)
+
+
+def _sinkhorn_matrix_first(
+    c: torch.Tensor, iters: int, eps: float, keep: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Sinkhorn on [n, n, ...] (the matrix dimensions first, so that every sum adds n contiguous
+    vectors instead of reducing n strided elements: several times faster on [..., 4, 4] and the
+    same float32 additions in the same order). Returns the result and, with `keep`, each
+    normalisation's output and denominator (for the backward)."""
+    outs, dens = [], []
+    for dim in _sinkhorn_dims(iters):
+        d = c.sum(dim=dim, keepdim=True) + eps
+        c = c / d
+        if keep:
+            outs.append(c)
+            dens.append(d)
+    return c, outs, dens
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Sinkhorn with a hand-written backward: the forward is :func:`sinkhorn`'s own operations
+    (same values); the backward walks the normalisations in reverse, three operations each.
+
+    For y = x / d with d = sum(x) + eps along one dimension, dL/dx = (g - sum(g * y)) / d.
+    Autograd through the 2·iters - 1 unrolled divisions takes several times as many operations.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        c, outs, dens = _sinkhorn_matrix_first(
+            comb.movedim((-2, -1), (0, 1)).contiguous(), iters, eps, keep=True
+        )
+        ctx.save_for_backward(*outs, *dens)
+        ctx.iters = iters
+        return c.movedim((0, 1), (-2, -1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        saved = ctx.saved_tensors
+        n = len(saved) // 2
+        g = grad.movedim((-2, -1), (0, 1)).contiguous()
+        steps = zip(
+            reversed(saved[:n]), reversed(saved[n:]), reversed(_sinkhorn_dims(ctx.iters)), strict=True
+        )
+        for y, d, dim in steps:
+            g = (g - (g * y).sum(dim=dim, keepdim=True)) / d
+        return g.movedim((0, 1), (-2, -1)), None, None
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
