@@ -67,8 +67,9 @@ Store baselines (same bytes, same run; the store rows' ratios are store MiB/s ÷
 
 `put_many` writes a request's new chunks together: {batch} per batch of the first size (a
 {batch_tokens:,}-token request in 256-token chunks), {big_batch} of the second (a {big_tokens:,}-token
-request in 4,096-token entries). Entries written one at a time by `put`, and by 4 threads calling
-`put`, are shown too. Store format version {version}; the store's I/O threads: {threads}.
+request in 4,096-token entries); `prefetch` of the same batches before their `get`s is how a
+cache load reads a prefix's chunks (a read-ahead hint: the disk works on a batch at once). Entries written one at a time by `put`, and by 4
+threads calling `put`, are shown too. Store format version {version}; the store's I/O threads: {threads}.
 Writes run once each (every write creates new files); reads are the median of 9 interleaved
 rounds (3 with the cache dropped before each) after one warm-up round, pool operations the
 median of 5, so a slow spell of a shared machine hits the tiers and their baselines alike.
@@ -247,6 +248,12 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
         for key in ks_many:
             assert store.get(key) is not None
 
+    def store_prefetched_gets() -> None:
+        for start in range(0, n, batch):
+            store.prefetch(ks_many[start : start + batch])
+            for key in ks_many[start : start + batch]:
+                assert store.get(key) is not None
+
     w_b, w_a = timed(one_file_writes), timed(file_per_chunk_writes)
     w_put, w_many, w_threads = timed(store_puts), timed(store_put_many), timed(threaded_puts)
     store.close()
@@ -265,6 +272,7 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
             "(a)": (file_per_chunk_reads, None),
             "(a)+crc": (file_per_chunk_reads_crc, None),
             "store": (store_gets, None),
+            "store ahead": (store_prefetched_gets, None),
         },
         rounds=9,
     )
@@ -274,12 +282,14 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
         Row("read (a) file per chunk, page cache", size, n, warm["(a)"], dict(rv)),
         Row("read (a) + XXH3, page cache", size, n, warm["(a)+crc"], dict(rv)),
         Row("store get, page cache", size, n, warm["store"], dict(rv)),
+        Row(f"store get, {batch} prefetched at a time, page cache", size, n, warm["store ahead"], dict(rv)),
     ]
     cold = interleaved(
         {
             "(b)": (one_file_reads, lambda: drop_page_cache([one_file])),
             "(a)": (file_per_chunk_reads, lambda: drop_page_cache(chunk_files)),
             "store": (store_gets, lambda: drop_page_cache(read_set)),
+            "store ahead": (store_prefetched_gets, lambda: drop_page_cache(read_set)),
         },
         rounds=3,
     )
@@ -288,7 +298,11 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
         Row("read (b) one file, cache dropped", size, n, cold["(b)"], dict(cv)),
         Row("read (a) file per chunk, cache dropped", size, n, cold["(a)"], dict(cv)),
         Row("store get, cache dropped", size, n, cold["store"], dict(cv)),
+        Row(
+            f"store get, {batch} prefetched at a time, cache dropped", size, n, cold["store ahead"], dict(cv)
+        ),
     ]
+    store.close()
     shutil.rmtree(root)
     shutil.rmtree(file_dir)
     one_file.unlink()

@@ -77,6 +77,9 @@ __all__ = ["WRITE_POLICIES", "CacheManager", "CachePlan", "snapshot_store_key", 
 WRITE_POLICIES = ("v41", "v4")
 """``v41``: window snapshots go to the SWA pool only. ``v4``: also persisted in the store."""
 
+# A load hints the store to read in its chunks this many at a time (``prefetch``).
+STORE_READ_AHEAD = 16
+
 _TAIL_TAG = b"RKV-TAIL\x00\x00"
 _SNAPSHOT_TAG = b"RKV-SNAP\x00\x00"
 
@@ -406,9 +409,12 @@ class CacheManager:
         pages = self.device_pool.match_prefix(keys) if self.device_pool is not None and keys else []
         try:
             for i, key in enumerate(keys):
-                chunk, source = self._fetch_chunk(
-                    key, i, pages[i] if i < len(pages) else None, digest, reasons
-                )
+                page = pages[i] if i < len(pages) else None
+                if page is None and self.store is not None and (i - len(pages)) % STORE_READ_AHEAD == 0:
+                    # The pages match a prefix, so every chunk from here on comes from the store:
+                    # let it read the next few in while they are read one by one.
+                    self.store.prefetch(keys[i : i + STORE_READ_AHEAD])
+                chunk, source = self._fetch_chunk(key, i, page, digest, reasons)
                 if chunk is None:
                     break
                 load_chunk(self.layout, chunk, view, row)

@@ -198,6 +198,8 @@ class GlobalKVStore(ABC):
     * ``put_many`` is ``put`` for several entries at once, one result per entry: each entry is
       all-or-nothing on its own (a failure of one publishes nothing of it and never a
       non-durable entry); implementations may share the fsyncs of a batch.
+    * ``prefetch`` is a hint that the keys will be read soon: it may start reading them in and
+      changes nothing else (contents, recency, counters); a missing key is ignored.
     * ``contains`` is a cheap predicate with no side effect on recency; a later ``get`` can still
       miss (eviction, expiry, corruption), so callers must handle that.
     * All methods are safe to call concurrently from several threads. The store owns its files;
@@ -215,6 +217,10 @@ class GlobalKVStore(ABC):
     def put_many(self, items: Sequence[tuple[bytes, Payload]], meta: EntryMeta | None = None) -> list[bool]:
         """Publish several entries (distinct keys) under one ``meta``; ``put``'s result for each."""
         return [self.put(key, payload, meta) for key, payload in items]
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Hint that `keys` will be read soon (default: ignored, which the contract allows)."""
+        del keys
 
     @abstractmethod
     def contains(self, key: bytes) -> bool: ...
@@ -804,6 +810,30 @@ class DirectoryStore(GlobalKVStore):
         header, payload = result
         self.metrics.record_hit(len(payload), age_s=now - header.created_at)
         return payload
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Ask the kernel to read the indexed keys' files in (``POSIX_FADV_WILLNEED``): on a cold
+        cache the disk then works on all of them at once while ``get`` reads them one by one.
+        Not read here, and not into buffers: holding several payloads at once costs page-cache
+        hits fresh memory for each, which is more than the read itself."""
+        for key in keys:
+            self._check_key(key)
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for key in keys:
+            with self._lock:
+                if key not in self._index:
+                    continue
+            try:
+                fd = os.open(self._path_for(key), os.O_RDONLY)
+            except OSError:
+                continue  # a later get sees it (and counts it)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     @staticmethod
     def _read_verified(

@@ -25,10 +25,17 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import replaykv.cache.manager as manager_module
 from replaykv.cache.device_pool import DevicePool
 from replaykv.cache.keys import chunk_keys, prefix_key
 from replaykv.cache.layout import CacheLayout, extract_snapshot
-from replaykv.cache.manager import CacheManager, CachePlan, _prefix_key, snapshot_store_key, tail_store_key
+from replaykv.cache.manager import (
+    CacheManager,
+    CachePlan,
+    _prefix_key,
+    snapshot_store_key,
+    tail_store_key,
+)
 from replaykv.cache.store import DirectoryStore, EntryMeta
 from replaykv.cache.swa_pool import MemorySwaPool, RedisSwaPool, SwaPool
 from replaykv.cache.views import advance, allocate_view
@@ -335,6 +342,44 @@ def test_store_entry_vanishes_between_lookup_and_load(
     assert any("shortened" in r for r in loaded.reasons)
     check_loaded(m, view, tokens, loaded)
     assert m.stats()["requests"]["fallbacks"] == 1
+    m.check_integrity()
+
+
+class _ReadRecordingStore(DirectoryStore):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[int] = []
+
+    def prefetch(self, keys: Any) -> None:
+        self.batches.append(len(keys))
+        super().prefetch(keys)
+
+
+def test_load_prefetches_store_chunks_in_bounded_batches(
+    tmp_path: Path, clock: FakeClock, managers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(manager_module, "STORE_READ_AHEAD", 3)  # 7 chunks fit a test view
+    store = _ReadRecordingStore(tmp_path, capacity_bytes=1 << 24, retention_s=3600, clock=clock, io_threads=4)
+    m = make_manager(tmp_path, clock, device=False, store=store)
+    managers.append(m)
+    tokens = tokens_of(11, 7 * 8 + 3)
+    serve(m, tokens, "acme")
+    plan = m.lookup(tokens, "acme")
+    assert plan.hit_tokens == 7 * 8 and len(plan.chunk_keys) == 7  # the chunks, not the tail
+    store.batches.clear()
+    view = allocate_view(SPEC41, 1, CAPACITY)
+    loaded = m.load(plan, view, 0)
+    assert loaded.hit_tokens == 7 * 8 and loaded.chunk_sources == ("store",) * 7
+    assert store.batches == [3, 3, 1]
+    check_loaded(m, view, tokens, loaded)
+    # A chunk gone between lookup and load, inside a batch: the hit stops at the boundary before.
+    plan = m.lookup(tokens, "acme")
+    store.delete(plan.chunk_keys[4])
+    store.batches.clear()
+    view = allocate_view(SPEC41, 1, CAPACITY)
+    loaded = m.load(plan, view, 0)
+    assert loaded.hit_tokens == 4 * 8 and store.batches == [3, 3]
+    check_loaded(m, view, tokens, loaded)
     m.check_integrity()
 
 

@@ -670,6 +670,30 @@ def test_default_put_many_of_the_contract() -> None:
     store = DictStore()
     assert store.put_many([(k(1), b"abc"), (k(2), b"toolong"), (k(3), b"")]) == [True, False, True]
     assert store.get(k(1)) == b"abc" and not store.contains(k(2))
+    store.prefetch([k(1), k(2)])  # a hint: the default does nothing
+    assert store.get(k(1)) == b"abc"
+
+
+@pytest.mark.parametrize("hint", [True, False], ids=["fadvise", "no-fadvise"])
+def test_prefetch_is_only_a_hint(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, hint: bool
+) -> None:
+    if not hint:
+        monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    store = DirectoryStore(tmp_path, 8 * (5000 + HDR), clock=clock)
+    for i in range(8):
+        assert store.put(k(i), payload_for(i, 5000))
+        clock.advance(1)
+    before = store.stats()
+    store.prefetch([k(0), k(99), k(3), k(0)])  # missing and repeated keys too
+    assert store.stats() == before  # no hit, miss or read counted
+    # Recency unchanged: the next put evicts the oldest entry, 0, though it was prefetched last.
+    assert store.put(k(8), payload_for(8, 5000))
+    assert not store.contains(k(0)) and store.contains(k(1))
+    assert store.get(k(3)) == payload_for(3, 5000)
+    with pytest.raises(ValueError):
+        store.prefetch([k(3), b"short"])
+    store.check_integrity()
 
 
 _BATCH_WRITER = r"""
