@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import replaykv.model.v41 as v41_module
 from replaykv.cache.views import advance, allocate_view
+from replaykv.model.attention import joint_attention
 from replaykv.model.checkpoint import load_model, save_pretrained
 from replaykv.model.init import init_weights
 from replaykv.model.layers import sinkhorn
@@ -356,3 +357,81 @@ def test_sinkhorn_equals_the_unrolled_loop_and_its_gradient(shape: tuple[int, ..
     assert torch.allclose(leaf.grad, auto.grad, rtol=1e-4, atol=1e-6)
     small = (torch.softmax(torch.randn(2, 3, 4, 4, dtype=torch.float64), dim=-1) + 1e-6).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda c: sinkhorn(c, 5, 1e-6), (small,))
+
+
+def _naive_joint_attention(
+    q: torch.Tensor,
+    win_keys: torch.Tensor,
+    start: list[int],
+    floors: list[int],
+    window: int,
+    sinks: torch.Tensor,
+    entries: torch.Tensor | None,
+    ratio: int,
+    selection: torch.Tensor | None,
+) -> torch.Tensor:
+    """One query at a time, from the spec: the readable window rows (inside the window, at or
+    after the floor and position 0), the visible (or selected) entries and the sink share one
+    softmax; keys are the values."""
+    b, s, _, d = q.shape
+    out = []
+    for r in range(b):
+        rows = []
+        for i in range(s):
+            p = start[r] + i
+            keys = [
+                win_keys[r, j]
+                for j in range(window - 1 + s)
+                if p - window < start[r] - window + 1 + j <= p
+                and start[r] - window + 1 + j >= max(floors[r], 0)
+            ]
+            if entries is not None:
+                visible = range((p + 1) // ratio)
+                if selection is not None:
+                    visible = [int(e) for e in selection[r, i] if e >= 0]
+                keys += [entries[r, e] for e in visible]
+            k = torch.stack(keys)  # [N, D]
+            logits = q[r, i] @ k.T * d**-0.5  # [H, N]
+            z = torch.cat([logits, sinks[:, None]], dim=1).softmax(dim=1)
+            rows.append(z[:, :-1] @ k)
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("case", ["prefill", "floors", "offsets-dense", "offsets-sparse"])
+def test_training_attention_equals_the_engine_path_and_a_naive_softmax(case: str) -> None:
+    # With gradients, joint_attention scores each block's 2W - 1 window rows in one GEMM and masks;
+    # without, each query reads its own W rows. Both equal the spec, and so do the gradients.
+    from replaykv.model.step import RopeTables, Step
+
+    torch.manual_seed(0)
+    b, s, h, d, w, ratio = 2, 37, 3, 16, 8, 2
+    start = {"prefill": [0, 0], "floors": [3, 9]}.get(case, [5, 12])
+    floors = [0, 9] if case == "floors" else [0, 0]  # a replay's window starts at its floor
+    start_t = torch.tensor(start)
+    positions = start_t[:, None] + torch.arange(s)
+    step = Step(
+        positions, start_t, tuple(start), torch.tensor(floors), tuple(floors), RopeTables.build({}, positions)
+    )
+    q = torch.randn(b, s, h, d, dtype=torch.float64, requires_grad=True)
+    win_keys = torch.randn(b, w - 1 + s, d, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(h, dtype=torch.float64)
+    n = (max(start) + s) // ratio
+    entries = None if case == "prefill" else torch.randn(b, n, d, dtype=torch.float64, requires_grad=True)
+    selection = None
+    if case == "offsets-sparse":
+        limit = (positions + 1) // ratio
+        selection = torch.stack([torch.randperm(n)[:5] for _ in range(b * s)]).view(b, s, 5)
+        selection = selection.masked_fill(selection >= limit[..., None], -1)
+    args = (step, w, sinks, entries, ratio, selection)
+    out = joint_attention(q, win_keys, *args)
+    with torch.no_grad():
+        engine = joint_attention(q, win_keys, *args)
+    ref = _naive_joint_attention(q, win_keys, start, floors, w, sinks, entries, ratio, selection)
+    assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(engine, ref, atol=1e-6)
+    weights = torch.randn_like(out)
+    leaves = [t for t in (q, win_keys, entries) if t is not None]
+    got = torch.autograd.grad((out * weights).sum(), leaves)
+    want = torch.autograd.grad((ref * weights).sum(), leaves)
+    for g, e in zip(got, want, strict=True):
+        assert torch.allclose(g, e, atol=1e-6)
