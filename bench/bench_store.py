@@ -68,8 +68,9 @@ Store baselines (same bytes, same run; the store rows' ratios are store MiB/s ÷
 `put_many` writes a request's new chunks together: {batch} per batch of the first size (a
 {batch_tokens:,}-token request in 256-token chunks), {big_batch} of the second (a {big_tokens:,}-token
 request in 4,096-token entries); `prefetch` of the same batches before their `get`s is how a
-cache load reads a prefix's chunks (a read-ahead hint: the disk works on a batch at once). Entries written one at a time by `put`, and by 4
-threads calling `put`, are shown too. Store format version {version}; the store's I/O threads: {threads}.
+cache load reads a prefix's chunks (a read-ahead hint: the disk works on a batch at once).
+Entries written one at a time by `put`, and by 4 threads calling `put`, are shown too. Store
+format version {version}; the store's I/O threads: {threads}.
 Writes run once each (every write creates new files); reads are the median of 9 interleaved
 rounds (3 with the cache dropped before each) after one warm-up round, pool operations the
 median of 5, so a slow spell of a shared machine hits the tiers and their baselines alike.

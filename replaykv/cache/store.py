@@ -829,9 +829,8 @@ class DirectoryStore(GlobalKVStore):
             except OSError:
                 continue  # a later get sees it (and counts it)
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
 

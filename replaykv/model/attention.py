@@ -136,6 +136,9 @@ def joint_attention(
     # backward than W-row reads per query, the same result up to float rounding. Without (every
     # engine path), each query reads exactly its own W rows.
     band = torch.is_grad_enabled() and (q.requires_grad or win_keys.requires_grad)
+    if band:  # [Q, Q+W-1]: True where row j lies outside query i's window rows [i, i + W - 1]
+        rows = torch.arange(q_step + w - 1, device=q.device)
+        outside = (rows < rows[:q_step, None]) | (rows >= rows[:q_step, None] + w)
     for i0 in range(0, s, q_step):
         i1 = min(s, i0 + q_step)
         nq = i1 - i0
@@ -144,9 +147,8 @@ def joint_attention(
             kw = win_keys[:, i0 : i1 + w - 1]  # [B, Q+W-1, D]
             lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).float().mul_(scale)
             lw = lw.view(b, nq, h, nq + w - 1)
-            rows = torch.arange(nq + w - 1, device=q.device)
-            outside = (rows < torch.arange(nq, device=q.device)[:, None]) | (rows >= rows[:nq, None] + w)
-            mask = outside[None] if all_ok else outside[None] | ~key_ok[:, None, i0 : i1 + w - 1]
+            band_out = outside[:nq, : nq + w - 1]  # a shorter last block: the same top-left corner
+            mask = band_out[None] if all_ok else band_out[None] | ~key_ok[:, None, i0 : i1 + w - 1]
             lw = lw.masked_fill_(mask[:, :, None], float("-inf"))
         else:
             # Every query reads exactly its W window keys, in position order, with fixed-size

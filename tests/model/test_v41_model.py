@@ -21,6 +21,7 @@ from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM, IndexerV41
 from tests.model.v41_reference import reference_logits
+from tests.model.v41_reference import sinkhorn as reference_sinkhorn
 
 # Schedules: the §10 checklist config, one without a candidate source, and one with a
 # single ratio-2 source feeding Reuse + Reindex layers before a ratio-1 candidate source.
@@ -329,22 +330,13 @@ def test_released_shapes_instantiate_on_the_meta_device() -> None:
     assert all(p.device.type == "meta" for p in v41.parameters())
 
 
-def _sinkhorn_unrolled(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The mHC Sinkhorn as the architecture writes it: columns once, then rows and columns."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
 @pytest.mark.parametrize("shape", [(2, 64, 4, 4), (1, 2000, 4, 4), (3, 5, 2, 2)])
 def test_sinkhorn_equals_the_unrolled_loop_and_its_gradient(shape: tuple[int, ...]) -> None:
     # Every path (NumPy for small CPU inputs, matrix-first torch, the hand-written backward)
     # gives the unrolled loop's values bit for bit; the backward matches autograd through it.
     torch.manual_seed(0)
     comb = torch.softmax(torch.randn(shape), dim=-1) + 1e-6
-    expected = _sinkhorn_unrolled(comb, 20, 1e-6)
+    expected = reference_sinkhorn(comb, 20, 1e-6)
     assert torch.equal(sinkhorn(comb, 20, 1e-6), expected)
     leaf = comb.clone().requires_grad_(True)
     out = sinkhorn(leaf, 20, 1e-6)
@@ -352,7 +344,7 @@ def test_sinkhorn_equals_the_unrolled_loop_and_its_gradient(shape: tuple[int, ..
     weights = torch.randn(shape)
     (out * weights).sum().backward()
     auto = comb.clone().requires_grad_(True)
-    (_sinkhorn_unrolled(auto, 20, 1e-6) * weights).sum().backward()
+    (reference_sinkhorn(auto, 20, 1e-6) * weights).sum().backward()
     assert leaf.grad is not None and auto.grad is not None
     assert torch.allclose(leaf.grad, auto.grad, rtol=1e-4, atol=1e-6)
     small = (torch.softmax(torch.randn(2, 3, 4, 4, dtype=torch.float64), dim=-1) + 1e-6).requires_grad_(True)

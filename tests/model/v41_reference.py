@@ -89,6 +89,15 @@ def rope(x: torch.Tensor, pos: torch.Tensor, f: torch.Tensor, sign: float = 1.0)
     return torch.cat([head, torch.stack([e * c - o * s, o * c + e * s], -1).flatten(-2)], -1)
 
 
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The mHC Sinkhorn as the architecture writes it: columns once, then rows and columns."""
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[S, N] -> bool mask of the k best finite scores per row, ties to the lower index."""
     n = scores.shape[-1]
@@ -131,11 +140,7 @@ def reference_logits(model: Any, ids: list[int]) -> tuple[torch.Tensor, dict[int
         pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + c.hc_eps
         post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
         comb = torch.softmax((m[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc), -1) + c.hc_eps
-        comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
-        for _ in range(c.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + c.hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
-        return pre, post, comb
+        return pre, post, sinkhorn(comb, c.hc_sinkhorn_iters, c.hc_eps)
 
     for layer in range(c.num_hidden_layers):
         p = f"model.layers.{layer}."
