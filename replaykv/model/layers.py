@@ -131,9 +131,10 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if comb.requires_grad:
         out: torch.Tensor = _Sinkhorn.apply(comb, iters, eps)
         return out
-    return _sinkhorn_matrix_first(comb.movedim((-2, -1), (0, 1)).contiguous(), iters, eps)[0].movedim(
-        (0, 1), (-2, -1)
-    )
+    mixed = _sinkhorn_matrix_first(comb.movedim((-2, -1), (0, 1)).contiguous(), iters, eps)[0]
+    # Back to [..., n, n] in memory too: a strided view (each matrix's elements numel/n² apart)
+    # sends the batched matmul of `hc_expand` and its backward down a per-matrix loop.
+    return mixed.movedim((0, 1), (-2, -1)).contiguous()
 
 
 def _sinkhorn_dims(iters: int) -> list[int]:
@@ -174,7 +175,7 @@ class _Sinkhorn(torch.autograd.Function):
         )
         ctx.save_for_backward(*outs, *dens)
         ctx.iters = iters
-        return c.movedim((0, 1), (-2, -1))
+        return c.movedim((0, 1), (-2, -1)).contiguous()  # see `sinkhorn`
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
