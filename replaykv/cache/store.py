@@ -51,6 +51,7 @@ from typing import NamedTuple, TypeVar
 
 import xxhash
 
+from replaykv.cache.fileio import errname, fsync_dir, is_orphan_temp, pread_exact, write_all
 from replaykv.cache.keys import KEY_BYTES, KeyNamespace, key_from_hex, key_hex
 from replaykv.cache.metrics import LabeledCounter, TierMetrics
 
@@ -270,53 +271,12 @@ class _Write:
 _T = TypeVar("_T")
 
 
-def _errname(exc: OSError) -> str:
-    return errno.errorcode.get(exc.errno, "OSError") if exc.errno is not None else type(exc).__name__
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.EIO, "short write")
-        view = view[written:]
-
-
 DEFAULT_IO_THREADS = 16
 """Threads per store that write and fsync a ``put_many`` batch: a batch of up to this many entries
 waits for one round of overlapping fsyncs. They mostly sleep in ``fsync``; CPU use is the hashing."""
 
 _SIZE_CHANGED = "size_changed"  # _read_verified: the file is not the size the index expected
 _PAYLOAD_FIRST_MAX = 256 << 20  # read payloads up to this size before their header (see _read_verified)
-
-
-def _pread_exact(fd: int, size: int, offset: int) -> bytes | None:
-    """``size`` bytes at ``offset`` (one ``pread`` unless it comes back short); ``None`` at EOF."""
-    data = os.pread(fd, size, offset)
-    if len(data) == size:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < size:
-        more = os.pread(fd, size - got, offset + got)
-        if not more:
-            return None
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 class DirectoryStore(GlobalKVStore):
@@ -405,14 +365,6 @@ class DirectoryStore(GlobalKVStore):
                 f"store keys are {KEY_BYTES}-byte digests (see replaykv.cache.keys); got {key!r:.80}"
             )
 
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
@@ -452,16 +404,6 @@ class DirectoryStore(GlobalKVStore):
                     continue
                 yield from os.scandir(mid.path)
 
-    def _is_orphan(self, name: str, ctime: float) -> bool:
-        parts = name.split(".")  # ["", hex, pid, rand, "tmp"]
-        try:
-            pid = int(parts[2])
-        except (IndexError, ValueError):
-            return True
-        if time.time() - ctime > self.orphan_grace_s:  # ctime: wall clock, utime cannot move it
-            return True
-        return pid != os.getpid() and not _pid_alive(pid)
-
     def _scan(self) -> None:
         found: list[tuple[float, bytes, int]] = []
         for item in self._iter_entry_files():
@@ -472,7 +414,7 @@ class DirectoryStore(GlobalKVStore):
             name = item.name
             if name.startswith(".") and name.endswith(".tmp"):
                 self.temp_files_seen += 1
-                if not self.read_only and self._is_orphan(name, st.st_ctime):
+                if not self.read_only and is_orphan_temp(name, st.st_ctime, self.orphan_grace_s):
                     try:
                         os.unlink(item.path)
                         self.orphans_swept += 1
@@ -518,7 +460,7 @@ class DirectoryStore(GlobalKVStore):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self.metrics.errors.inc(f"unlink:{_errname(exc)}")
+            self.metrics.errors.inc(f"unlink:{errname(exc)}")
 
     def _make_room_locked(self, size: int, now: float, replacing: bytes) -> bool:
         old = self._index.get(replacing)
@@ -620,7 +562,7 @@ class DirectoryStore(GlobalKVStore):
                 self.metrics.record_put(True, w.view.nbytes)
                 continue
             error = w.error or OSError(errno.EIO, "entry not published")
-            self.metrics.record_put(False, error=f"{w.stage}:{_errname(error)}")
+            self.metrics.record_put(False, error=f"{w.stage}:{errname(error)}")
             first_error = first_error or error
         if raise_on_error and first_error is not None:
             raise first_error
@@ -674,8 +616,8 @@ class DirectoryStore(GlobalKVStore):
         try:
             fd = os.open(w.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                _write_all(fd, header)
-                _write_all(fd, w.view)
+                write_all(fd, header)
+                write_all(fd, w.view)
                 os.utime(fd, (now, now))  # mtime carries last access across restarts
                 w.stage = "fsync"
                 os.fsync(fd)
@@ -690,7 +632,7 @@ class DirectoryStore(GlobalKVStore):
 
         def sync(path: str) -> None:
             try:
-                self._fsync_dir(path)
+                fsync_dir(path)
             except OSError as exc:
                 failed[path] = exc
 
@@ -799,7 +741,7 @@ class DirectoryStore(GlobalKVStore):
             self.metrics.record_miss()
             return None
         except OSError as exc:
-            self.metrics.errors.inc(f"read:{_errname(exc)}")
+            self.metrics.errors.inc(f"read:{errname(exc)}")
             self.metrics.record_miss()
             return None
         if isinstance(result, str):
@@ -855,7 +797,7 @@ class DirectoryStore(GlobalKVStore):
             if len(payload) != payload_size:  # a short pread of a regular file is its end
                 return _SIZE_CHANGED
         elif 0 <= payload_size <= _PAYLOAD_FIRST_MAX:
-            payload = _pread_exact(fd, payload_size, STORE_HEADER.size)
+            payload = pread_exact(fd, payload_size, STORE_HEADER.size)
         parsed = EntryHeader.unpack(os.pread(fd, STORE_HEADER.size, 0))
         if isinstance(parsed, str):
             return parsed
@@ -866,7 +808,7 @@ class DirectoryStore(GlobalKVStore):
         if payload_size > parsed.payload_len:
             return "size_mismatch"
         if payload is None:  # a huge file: its header was checked before reading it
-            payload = _pread_exact(fd, parsed.payload_len, STORE_HEADER.size)
+            payload = pread_exact(fd, parsed.payload_len, STORE_HEADER.size)
         if payload is None or len(payload) != parsed.payload_len:
             return "truncated"  # shrank under us
         if xxhash.xxh3_64_intdigest(payload) != parsed.payload_xxh3:
@@ -883,7 +825,7 @@ class DirectoryStore(GlobalKVStore):
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self.metrics.errors.inc(f"quarantine:{_errname(exc)}")
+            self.metrics.errors.inc(f"quarantine:{errname(exc)}")
             try:
                 os.unlink(path)
             except OSError:
@@ -998,7 +940,7 @@ class DirectoryStore(GlobalKVStore):
                 report.checked -= 1
                 continue
             except OSError as exc:
-                report.bad.append((name, f"read_error:{_errname(exc)}"))
+                report.bad.append((name, f"read_error:{errname(exc)}"))
                 continue
             if not isinstance(result, str):
                 report.ok += 1
