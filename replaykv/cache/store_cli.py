@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from replaykv.cache.store import DirectoryStore
+from replaykv.cache.stores import detect_format, make_store
 
 __all__ = ["main"]
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", parents=[common], help="entries, bytes, quarantine and temp files")
-    verify = sub.add_parser("verify", parents=[common], help="check every entry's header and SHA-256")
+    verify = sub.add_parser("verify", parents=[common], help="check every entry's header and payload digest")
     verify.add_argument("--quarantine", action="store_true", help="move bad entries to quarantine/")
     gc = sub.add_parser("gc", parents=[common], help="apply retention and capacity, purge old quarantine")
     gc.add_argument(
@@ -84,14 +84,22 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # argparse already printed the message
         return exc.code if isinstance(exc.code, int) else 2
     root: Path = args.cache_dir
-    if not (root / "entries").is_dir():
-        print(f"replaykv store: no store at {root} (expected {root / 'entries'})", file=sys.stderr)
+    try:
+        fmt = detect_format(root)
+    except ValueError as exc:
+        print(f"replaykv store: {exc}", file=sys.stderr)
+        return 2
+    if fmt is None:
+        print(
+            f"replaykv store: no store at {root} (expected {root / 'packs'} or {root / 'entries'})",
+            file=sys.stderr,
+        )
         return 2
 
     if args.command == "stats":
-        store = DirectoryStore(root, _UNBOUNDED, retention_s=None, read_only=True)
+        store = make_store(fmt, root, _UNBOUNDED, retention_s=None, read_only=True)
         stats = store.stats()
-        result = {
+        result = {"format": fmt} | {
             k: stats[k]
             for k in (
                 "root",
@@ -108,7 +116,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     if args.command == "verify":
-        store = DirectoryStore(root, _UNBOUNDED, retention_s=None, read_only=not args.quarantine)
+        store = make_store(fmt, root, _UNBOUNDED, retention_s=None, read_only=not args.quarantine)
         report = store.verify(quarantine=args.quarantine)
         _emit(
             {
@@ -127,7 +135,7 @@ def main(argv: list[str]) -> int:
     if args.retention_hours <= 0:
         print("replaykv store gc: --retention-hours must be > 0", file=sys.stderr)
         return 2
-    store = DirectoryStore(root, capacity, retention_s=args.retention_hours * 3600)
+    store = make_store(fmt, root, capacity, retention_s=args.retention_hours * 3600)
     before = store.stats()
     gc_report = store.gc()
     after = store.stats()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replaykv.cache.manager import WRITE_POLICIES
+from replaykv.cache.stores import STORE_FORMATS
 from replaykv.cache.swa_pool import SWA_POOL_BACKENDS
 from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags, ReplayOptionError, check_engine_options
 
@@ -43,7 +44,9 @@ class EngineConfig:
 
     Caches: ``swa_pool`` "memory" | "redis" | None (off) with ``redis_url``, ``swa_pool_ttl_s``
     and ``swa_pool_capacity_bytes`` (memory pool; None = 10% of host memory); ``store_dir`` (None
-    disables the persistent store) with ``store_capacity_bytes`` and ``store_retention_s``;
+    disables the persistent store) with ``store_format`` ("pack": a file per written batch,
+    "file": a file per entry; None: what the directory holds, else "pack"),
+    ``store_capacity_bytes`` and ``store_retention_s``;
     ``device_pool_bytes`` (0 disables the device pool); ``chunk_size`` tokens per global-KV chunk
     (a multiple of every compression ratio); ``write_policy`` "v41" (snapshots only in the SWA
     pool) or "v4" (also persisted); ``writeback_queue`` jobs queued for background write-back.
@@ -78,6 +81,7 @@ class EngineConfig:
     swa_pool_ttl_s: float = 300.0
     swa_pool_capacity_bytes: int | None = None
     store_dir: str | None = field(default_factory=default_store_dir)
+    store_format: str | None = None
     store_capacity_bytes: int = 16 << 30
     store_retention_s: float | None = 72 * 3600.0
     device_pool_bytes: int = 256 << 20
@@ -129,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"swa_pool_ttl_s must be > 0 seconds; got {self.swa_pool_ttl_s}")
         if self.swa_pool_capacity_bytes is not None and self.swa_pool_capacity_bytes <= 0:
             raise ValueError("swa_pool_capacity_bytes must be > 0, or None for 10% of host memory")
+        if self.store_format is not None and self.store_format not in STORE_FORMATS:
+            raise ValueError(f"store_format must be one of {STORE_FORMATS} or None; got {self.store_format!r}")
         if self.store_capacity_bytes <= 0:
             raise ValueError(f"store_capacity_bytes must be > 0; got {self.store_capacity_bytes}")
         if self.store_retention_s is not None and self.store_retention_s <= 0:

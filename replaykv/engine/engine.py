@@ -52,7 +52,9 @@ from replaykv.cache.device_pool import DevicePool
 from replaykv.cache.layout import CacheLayout
 from replaykv.cache.manager import CacheManager
 from replaykv.cache.metrics import Counter, Histogram, LabeledCounter
+from replaykv.cache.pack_store import PackStore
 from replaykv.cache.store import DirectoryStore
+from replaykv.cache.stores import make_store
 from replaykv.cache.swa_pool import make_swa_pool
 from replaykv.cache.views import allocate_view
 from replaykv.engine.api import (
@@ -406,7 +408,9 @@ class Engine(EngineAPI):
             swa_pool = make_swa_pool("redis", url=cfg.redis_url, ttl_s=cfg.swa_pool_ttl_s)
         store = None
         if cfg.store_dir is not None:
-            store = DirectoryStore(cfg.store_dir, cfg.store_capacity_bytes, cfg.store_retention_s)
+            store = make_store(
+                cfg.store_format, cfg.store_dir, cfg.store_capacity_bytes, retention_s=cfg.store_retention_s
+            )
         return CacheManager(
             self.spec,
             namespace,
@@ -509,7 +513,7 @@ class Engine(EngineAPI):
             cache.device_pool.evict_unreferenced()
         if cache.swa_pool is not None:
             cache.swa_pool.flush()
-        if cache.store is not None and isinstance(cache.store, DirectoryStore):
+        if cache.store is not None and isinstance(cache.store, DirectoryStore | PackStore):
             for key in cache.store.indexed_keys():
                 cache.store.delete(key)
 

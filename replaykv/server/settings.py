@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from replaykv.cache.stores import STORE_FORMATS
 from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("redis_url", _to_str, None, "Redis URL of --swa-pool redis, e.g. redis://127.0.0.1:6379/0", engine=True),
     Option("swa_pool_ttl", _to_float, None, "seconds a window snapshot stays in the pool", engine=True),
     Option("cache_dir", _to_str, None, "directory of the persistent global-KV store ('off': no store)", engine=True),
+    Option("store_format", _to_str, None, "layout of a new store: 'pack' (a file per written batch, the default) or 'file' (a file per entry); an existing store keeps its own", choices=STORE_FORMATS, engine=True),
     Option("context_length", _to_int, None, "tokens per request, prompt + generated", engine=True),
     Option("max_running_requests", _to_int, None, "requests decoded together", engine=True),
     Option("max_queued_requests", _to_int, None, "waiting requests before 429", engine=True),

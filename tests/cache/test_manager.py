@@ -36,6 +36,7 @@ from replaykv.cache.manager import (
     snapshot_store_key,
     tail_store_key,
 )
+from replaykv.cache.pack_store import PackStore
 from replaykv.cache.store import DirectoryStore, EntryMeta
 from replaykv.cache.swa_pool import MemorySwaPool, RedisSwaPool, SwaPool
 from replaykv.cache.views import advance, allocate_view
@@ -645,8 +646,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.held: list[list[int]] = []
         self.committed: dict[str, list[tuple[int, ...]]] = {s: [] for s in SALTS}
 
+    store_cls: type[DirectoryStore] | type[PackStore] = DirectoryStore
+
     def _new_manager(self) -> CacheManager:
-        store = DirectoryStore(self.root, capacity_bytes=80_000, retention_s=1000, clock=self.clock)
+        store = self.store_cls(self.root, capacity_bytes=80_000, retention_s=1000, clock=self.clock)
         return make_manager(None, self.clock, store=store, pool=self.pool, pages=5, queue_size=4)
 
     def teardown(self) -> None:
@@ -714,7 +717,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 1000), offset=st.integers(1, 400))
     def corrupt(self, i: int, offset: int) -> None:
         self.manager.flush()
-        files = sorted(self.root.rglob("*.kv"))
+        files = sorted(self.root.rglob("*.kv")) + sorted(self.root.rglob("*.pack"))
         files = [f for f in files if "quarantine" not in f.parts]
         if not files:
             return
@@ -740,6 +743,16 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=50, stateful_step_count=25, deadline=None)
+
+
+class PackManagerMachine(ManagerMachine):
+    """The same sequences over a :class:`PackStore` (a pack per write-back batch)."""
+
+    store_cls = PackStore
+
+
+TestPackManagerMachine = PackManagerMachine.TestCase
+TestPackManagerMachine.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
 
 
 def test_snapshot_and_tail_keys_are_distinct() -> None:

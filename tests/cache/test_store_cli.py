@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from replaykv.cache.keys import key_hex
+from replaykv.cache.pack_store import PACK_RECORD, PackStore
 from replaykv.cache.store import STORE_HEADER, DirectoryStore
 from replaykv.cache.store_cli import main
+from replaykv.cache.stores import make_store
 from tests.cache.conftest import FakeClock
 
 
@@ -91,3 +95,46 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["frobnicate", "--cache-dir", str(tmp_path)]) == 2
     assert main(["stats"]) == 2
     assert main(["gc", "--cache-dir", str(tmp_path), "--capacity-bytes", "lots"]) == 2
+
+
+def test_a_pack_store_through_the_same_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock(time.time() - 3 * 3600)  # the batch was written 3 h ago, k(3) now
+    store = PackStore(tmp_path, 1 << 30, clock=clock)
+    assert store.put_many([(k(i), bytes([i]) * 1000) for i in range(3)]) == [True] * 3
+    clock.advance(3 * 3600)
+    assert store.put(k(3), b"newer")
+    assert main(["stats", "--cache-dir", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["format"] == "pack" and out["entries"] == 4
+    path, offset = store.pack_of(k(1)) or ("", 0)
+    raw = bytearray(Path(path).read_bytes())
+    raw[offset + PACK_RECORD.size + 5] ^= 0xFF
+    written = os.stat(path).st_mtime
+    Path(path).write_bytes(bytes(raw))
+    os.utime(path, (written, written))  # the damage is not an access
+    assert main(["verify", "--cache-dir", str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["checked"], report["ok"]) == (4, 3) and report["bad"][0]["reason"] == "bad_digest"
+    assert main(["verify", "--cache-dir", str(tmp_path), "--quarantine", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["quarantined"] == 1
+    assert main(["verify", "--cache-dir", str(tmp_path), "--json"]) == 0
+    capsys.readouterr()
+    # gc with a 2 h retention: what is left of the batch (its pack's mtime: 3 h ago) expires.
+    assert main(["gc", "--cache-dir", str(tmp_path), "--retention-hours", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["entries_before"], out["expired"], out["entries_after"]) == (3, 2, 1)
+    assert PackStore(tmp_path, 1 << 30).indexed_keys() == [k(3)]
+
+
+def test_make_store_keeps_the_format_on_disk(tmp_path: Path) -> None:
+    assert isinstance(make_store(None, tmp_path / "new", 1 << 20), PackStore)
+    _fill(tmp_path / "old", 1)
+    assert isinstance(make_store(None, tmp_path / "old", 1 << 20), DirectoryStore)
+    with pytest.raises(ValueError, match="holds a 'file' store"):
+        make_store("pack", tmp_path / "old", 1 << 20)
+    with pytest.raises(ValueError, match="one of"):
+        make_store("sqlite", tmp_path / "x", 1 << 20)
+    (tmp_path / "old" / "packs").mkdir()
+    with pytest.raises(ValueError, match="both"):
+        make_store(None, tmp_path / "old", 1 << 20)
+    assert main(["stats", "--cache-dir", str(tmp_path / "old")]) == 2

@@ -87,6 +87,7 @@ def test_api_keys_forms() -> None:
         ([], {"REPLAYKV_PORT": "eighty"}, "REPLAYKV_PORT"),
         ([], {"REPLAYKV_ENABLE_DECODER_SWA_BOUNDED_REPLAY": "maybe"}, "REPLAYKV_ENABLE_DECODER"),
         ([], {"REPLAYKV_SWA_POOL": "disk"}, "REPLAYKV_SWA_POOL"),
+        (["--store-format", "sqlite"], {}, "--store-format"),
         (["--max-running-requests", "0"], {}, "--max-running-requests"),
         (["--port", "70000"], {}, "port"),
         (["--context-length", "0"], {}, "--context-length"),
@@ -133,6 +134,7 @@ def test_flag_names() -> None:
         "--redis-url",
         "--swa-pool-ttl",
         "--cache-dir",
+        "--store-format",
         "--max-running-requests",
         "--max-queued-requests",
         "--chunked-prefill-size",
@@ -183,6 +185,8 @@ def test_engine_config_mapping(tmp_path: Path) -> None:
     assert cfg.model_dir is None
     off = load_settings(["--cache-dir", "off", "--swa-pool", "off"], environ={}).engine_config()
     assert off.store_dir is None and off.swa_pool is None
+    assert cfg.store_format is None  # the format on disk, else pack
+    assert load_settings(["--store-format", "file"], environ={}).engine_config().store_format == "file"
     with pytest.raises(SettingsError, match="redis_url"):
         load_settings(["--swa-pool", "redis"], environ={}).engine_config()
     with pytest.raises(SettingsError, match="not a directory"):
