@@ -24,8 +24,10 @@ A pack is its records back to back, then its table, then its tail (:data:`PACK_R
 :data:`PACK_TABLE_ROW`, :data:`PACK_TAIL`). The tail is written last and covers the table with
 a CRC, so a pack is either complete or has no valid tail; the start-up scan reads only each
 pack's tail and table (two ``pread`` calls) to rebuild the index. Each record carries its own
-header (key, length, namespace, layout version) and the XXH3-128 of its payload, checked on
-every read and by ``verify``.
+header (key, length, namespace, layout version, XXH3-128 of the payload); the table repeats
+key, length and digest. A read checks the payload against the table's digest (a damaged
+payload is a miss and is quarantined; the header is not needed to serve it), ``verify`` checks
+headers and payloads against the table.
 
 Publishing: temp file → ``fsync`` → rename → ``fsync`` of the fan-out directory (and of its
 parents the first time), so a pack's name never points at data that is not durable and an
@@ -100,9 +102,11 @@ offset bytes field
 ====== ===== ================================================================
 """
 
-PACK_TABLE_ROW = struct.Struct("<32sQQ")
-"""One row of a pack's table, 48 bytes: key, offset of its record header in the pack, payload
-length. Rows are in record order."""
+PACK_TABLE_ROW = struct.Struct("<32sQQ16s")
+"""One row of a pack's table, 64 bytes: key, offset of its record header in the pack, payload
+length, XXH3-128 of the payload (the record header's digest again). Rows are in record order.
+The index keeps the row, so a read is one ``pread`` of the payload checked against the row's
+digest; ``verify`` also checks every record header against its row."""
 
 PACK_TAIL = struct.Struct("<8sHHIdII")
 """The last 32 bytes of a pack: magic ``b"RKVPKEND"``, u16 format version, u16 reserved (0),
@@ -193,6 +197,7 @@ class _Entry:
     pack: _Pack
     offset: int  # of the record header
     payload_len: int
+    digest: bytes  # XXH3-128 of the payload, from the pack's table
     last_access: float
 
     @property
@@ -208,6 +213,8 @@ class _Staged:
     key: bytes
     view: memoryview
     size: int  # record bytes
+    header: bytes = b""  # the packed PACK_RECORD
+    digest: bytes = b""  # XXH3-128 of the payload
     offset: int = 0
 
 
@@ -220,16 +227,19 @@ class _Scanned:
     size: int
     mtime: float
     created_at: float
-    rows: list[tuple[bytes, int, int]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
 
 
-def _table_bytes(rows: Sequence[tuple[bytes, int, int]], created_at: float) -> bytes:
-    table = b"".join(PACK_TABLE_ROW.pack(key, offset, length) for key, offset, length in rows)
+Row = tuple[bytes, int, int, bytes]  # key, record offset, payload length, payload XXH3-128
+
+
+def _table_bytes(rows: Sequence[Row], created_at: float) -> bytes:
+    table = b"".join(PACK_TABLE_ROW.pack(*row) for row in rows)
     tail = PACK_TAIL.pack(_TAIL_MAGIC, PACK_FORMAT_VERSION, 0, len(rows), created_at, zlib.crc32(table), 0)
     return table + tail[:_TAIL_CRC_OFFSET] + struct.pack("<I", zlib.crc32(tail[:_TAIL_CRC_OFFSET]))
 
 
-def read_pack_table(fd: int, file_size: int) -> tuple[float, list[tuple[bytes, int, int]]] | str:
+def read_pack_table(fd: int, file_size: int) -> tuple[float, list[Row]] | str:
     """A pack's (created_at, rows), or the reason its tail or table cannot be trusted."""
     if file_size < PACK_TAIL.size:
         return "truncated"
@@ -252,7 +262,7 @@ def read_pack_table(fd: int, file_size: int) -> tuple[float, list[tuple[bytes, i
         return "bad_table"
     rows = [PACK_TABLE_ROW.unpack_from(table, i * PACK_TABLE_ROW.size) for i in range(count)]
     end = 0
-    for _, offset, length in rows:
+    for _, offset, length, _ in rows:
         if offset < end or offset + PACK_RECORD.size + length > table_at:
             return "bad_table"
         end = offset + PACK_RECORD.size + length
@@ -382,20 +392,20 @@ class PackStore(GlobalKVStore):
             scanned.append(_Scanned(item.path, pack_id, st.st_size, st.st_mtime, created, rows))
         # Later packs win a key; entries get their pack's mtime; oldest access first in the index.
         scanned.sort(key=lambda s: (s.created_at, s.pack_id))
-        owner: dict[bytes, tuple[_Pack, int, int]] = {}
+        owner: dict[bytes, tuple[_Pack, int, int, bytes]] = {}
         packs: list[_Pack] = []
         for s in scanned:
             table_bytes = len(s.rows) * PACK_TABLE_ROW.size + PACK_TAIL.size
             pack = _Pack(s.pack_id, s.path, s.size, s.created_at, table_bytes, disk_access=s.mtime)
             packs.append(pack)
             dead = tombstones.get(s.pack_id, set())
-            for key, offset, length in s.rows:
+            for key, offset, length, digest in s.rows:
                 if key not in dead:
-                    owner[key] = (pack, offset, length)
+                    owner[key] = (pack, offset, length, digest)
         entries: list[tuple[float, bytes, _Entry]] = []
-        for key, (pack, offset, length) in owner.items():
+        for key, (pack, offset, length, digest) in owner.items():
             pack.add(key, PACK_RECORD.size + length)
-            entries.append((pack.disk_access, key, _Entry(pack, offset, length, pack.disk_access)))
+            entries.append((pack.disk_access, key, _Entry(pack, offset, length, digest, pack.disk_access)))
         entries.sort(key=lambda e: (e[0], e[2].pack.pack_id, e[2].offset))
         with self._lock:
             for pack in packs:
@@ -608,15 +618,25 @@ class PackStore(GlobalKVStore):
         pack: _Pack | None = None
         try:
             if fitted:
-                stage, error, pack = self._write_pack(pack_id, directory, fitted, meta, now)
+                for s in fitted:
+                    s.digest = _digest(s.view)
+                    s.header = PackRecord(
+                        PACK_FORMAT_VERSION,
+                        meta.kv_layout_version,
+                        0,
+                        now,
+                        s.view.nbytes,
+                        meta.namespace_digest,
+                        s.key,
+                        s.digest,
+                    ).pack()
+                stage, error, pack = self._write_pack(pack_id, directory, fitted, now)
         finally:
             with self._lock:
                 self._reserved -= reserved
                 self._publishing.discard(pack_id)
                 if pack is not None:
                     self._install_locked(pack, fitted, now)
-        if pack is not None:
-            self._known_dirs.update((directory, self._packs_str))
         for s in fitted:
             if pack is not None:
                 results[s.index] = True
@@ -633,9 +653,10 @@ class PackStore(GlobalKVStore):
         return results
 
     def _write_pack(
-        self, pack_id: str, directory: str, fitted: list[_Staged], meta: EntryMeta, now: float
+        self, pack_id: str, directory: str, staged: list[_Staged], now: float
     ) -> tuple[str, OSError | None, _Pack | None]:
-        """Write, fsync, rename and make durable one pack; (stage, error, published pack)."""
+        """Write ``staged`` (headers packed, digests set) as one pack: temp file, fsync, rename,
+        directory fsync. (stage reached, error, the published pack or None)."""
         final = f"{directory}/{pack_id}.pack"
         tmp = f"{directory}/.{pack_id}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
         stage = "mkdir"
@@ -646,26 +667,15 @@ class PackStore(GlobalKVStore):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 offset = 0
-                rows = []
-                for s in fitted:
+                rows: list[Row] = []
+                for s in staged:
                     s.offset = offset
-                    header = PackRecord(
-                        PACK_FORMAT_VERSION,
-                        meta.kv_layout_version,
-                        0,
-                        now,
-                        s.view.nbytes,
-                        meta.namespace_digest,
-                        s.key,
-                        _digest(s.view),
-                    ).pack()
-                    write_all(fd, header)
+                    write_all(fd, s.header)
                     write_all(fd, s.view)
-                    rows.append((s.key, offset, s.view.nbytes))
+                    rows.append((s.key, offset, s.view.nbytes, s.digest))
                     offset += s.size
                 tail = _table_bytes(rows, now)
                 write_all(fd, tail)
-                size = offset + len(tail)
                 os.utime(fd, (now, now))  # mtime carries last access across restarts
                 stage = "fsync"
                 os.fsync(fd)
@@ -681,7 +691,8 @@ class PackStore(GlobalKVStore):
             with contextlib.suppress(OSError):
                 os.unlink(final if renamed else tmp)  # visible but not durable: take it back
             return stage, exc, None
-        return stage, None, _Pack(pack_id, final, size, now, len(tail), disk_access=now)
+        self._known_dirs.update((directory, self._packs_str))
+        return stage, None, _Pack(pack_id, final, offset + len(tail), now, len(tail), disk_access=now)
 
     def _make_dirs(self, leaf: str) -> tuple[str, ...]:
         """Create the fan-out directory if missing; the directories whose fsync makes a new name
@@ -699,12 +710,16 @@ class PackStore(GlobalKVStore):
         self.metrics.bytes_resident.inc(pack.size)
         for s in fitted:
             self._drop_locked(s.key)  # the replaced version, if any
-            self._index[s.key] = _Entry(pack, s.offset, s.view.nbytes, now)
+            self._index[s.key] = _Entry(pack, s.offset, s.view.nbytes, s.digest, now)
             pack.add(s.key, s.size)
             self.metrics.entries.inc()
 
     def get(self, key: bytes) -> bytes | None:
-        """The verified payload, or ``None`` (miss, expired, unreadable, or corrupt → quarantined)."""
+        """The verified payload, or ``None`` (miss, expired, unreadable, or corrupt → quarantined).
+
+        One ``pread`` of the payload, checked against the digest the pack's table gave the index
+        (the record header is ``verify``'s business). The hit's age is counted from the pack's
+        publish time (for an entry moved by compaction, from the compaction)."""
         self._check_key(key)
         now = self._clock()
         with self._lock:
@@ -729,7 +744,7 @@ class PackStore(GlobalKVStore):
             self._read_failed(key, entry, failure)
             return None
         try:
-            result = _read_record(fd, entry.offset, entry.payload_len, key)
+            result = _read_payload(fd, entry.offset, entry.payload_len, entry.digest)
             if (
                 not self.read_only
                 and not isinstance(result, str)
@@ -747,9 +762,8 @@ class PackStore(GlobalKVStore):
             self._quarantine_entry(key, entry, result)
             self.metrics.record_miss()
             return None
-        record, payload = result
-        self.metrics.record_hit(len(payload), age_s=now - record.created_at)
-        return payload
+        self.metrics.record_hit(len(result), age_s=now - pack.created_at)
+        return result
 
     def _read_failed(self, key: bytes, entry: _Entry, exc: OSError) -> None:
         if isinstance(exc, FileNotFoundError):  # the pack vanished under us: a plain miss
@@ -895,88 +909,46 @@ class PackStore(GlobalKVStore):
                 fd = self._acquire(old)
             except OSError:
                 return 0
-        moved: list[tuple[bytes, _Entry, PackRecord, bytes]] = []
+        moved: list[tuple[_Entry, _Staged]] = []
         try:
             for key, entry in live:
                 try:
-                    result = _read_record(fd, entry.offset, entry.payload_len, key)
+                    result = _read_record(fd, entry, key)
                 except OSError:
                     continue
                 if isinstance(result, str):
                     self._quarantine_entry(key, entry, result)
                     continue
-                moved.append((key, entry, *result))
+                record, payload = result
+                staged = _Staged(
+                    len(moved), key, memoryview(payload), entry.size, record.pack(), entry.digest
+                )
+                moved.append((entry, staged))
         finally:
             self._release(old)
         if not moved:
             return 0
         pack_id = secrets.token_hex(16)
-        directory = self._dir_for(pack_id)
-        staged = [
-            _Staged(i, key, memoryview(payload), PACK_RECORD.size + len(payload))
-            for i, (key, _, _, payload) in enumerate(moved)
-        ]
-        meta_by_key = {key: record for key, _, record, _ in moved}
-        new = self._write_compacted(pack_id, directory, staged, meta_by_key, now)
+        _, error, new = self._write_pack(pack_id, self._dir_for(pack_id), [s for _, s in moved], now)
         if new is None:
+            self.metrics.errors.inc(f"compact:{errname(error or OSError(errno.EIO, ''))}")
             return 0
         with self._lock:
             before = self.metrics.bytes_resident.value
             self._packs[new.pack_id] = new
             self.metrics.bytes_resident.inc(new.size)
-            for s, (key, entry, _, _) in zip(staged, moved, strict=True):
-                if self._index.get(key) is not entry:  # replaced or dropped meanwhile
-                    self._append_tombstone(new, key)
+            for entry, s in moved:
+                if self._index.get(s.key) is not entry:  # replaced or dropped meanwhile
+                    self._append_tombstone(new, s.key)
                     continue
-                self._index[key] = _Entry(new, s.offset, entry.payload_len, entry.last_access)
-                new.add(key, s.size)
-                old.discard(key, s.size)
+                self._index[s.key] = _Entry(new, s.offset, entry.payload_len, entry.digest, entry.last_access)
+                new.add(s.key, s.size)
+                old.discard(s.key, s.size)
             if not new.keys:
                 self._remove_pack_locked(new)
             if not old.keys:
                 self._remove_pack_locked(old)
-            self._known_dirs.update((directory, self._packs_str))
             return max(0, before - self.metrics.bytes_resident.value)
-
-    def _write_compacted(
-        self,
-        pack_id: str,
-        directory: str,
-        staged: list[_Staged],
-        records: dict[bytes, PackRecord],
-        now: float,
-    ) -> _Pack | None:
-        """Publish ``staged`` as a new pack keeping each record's own header fields."""
-        final = f"{directory}/{pack_id}.pack"
-        tmp = f"{directory}/.{pack_id}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-        renamed = False
-        try:
-            syncs = self._make_dirs(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                offset = 0
-                rows = []
-                for s in staged:
-                    s.offset = offset
-                    write_all(fd, records[s.key].pack())
-                    write_all(fd, s.view)
-                    rows.append((s.key, offset, s.view.nbytes))
-                    offset += s.size
-                tail = _table_bytes(rows, now)
-                write_all(fd, tail)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, final)
-            renamed = True
-            for d in syncs:
-                fsync_dir(d)
-        except OSError as exc:
-            self.metrics.errors.inc(f"compact:{errname(exc)}")
-            with contextlib.suppress(OSError):
-                os.unlink(final if renamed else tmp)
-            return None
-        return _Pack(pack_id, final, offset + len(tail), now, len(tail), disk_access=now)
 
     def verify(self, quarantine: bool = False) -> VerifyReport:
         """Read every pack on disk and check its table and every live record (header, key,
@@ -1000,14 +972,15 @@ class PackStore(GlobalKVStore):
                             self._quarantine_known_pack(pack_id, item.path, table)
                             report.quarantined += 1
                         continue
-                    for key, offset, length in table[1]:
+                    for row in table[1]:
+                        key = row[0]
                         if key in dead:
                             continue
                         report.checked += 1
-                        result = _read_record(fd, offset, length, key)
+                        result = _read_record(fd, row, key)
                         if not isinstance(result, str):
                             report.ok += 1
-                            report.bytes_checked += PACK_RECORD.size + length
+                            report.bytes_checked += PACK_RECORD.size + row[2]
                             continue
                         report.bad.append((f"{item.name}:{key_hex(key)}", result))
                         if quarantine and not self.read_only:
@@ -1117,10 +1090,25 @@ class PackStore(GlobalKVStore):
                     raise AssertionError(f"pack {path}: file {on_disk} B, index {size} B")
 
 
-def _read_record(fd: int, offset: int, payload_len: int, key: bytes) -> tuple[PackRecord, bytes] | str:
-    """Read and check one record: its payload (straight into the returned bytes), then its
-    header; the header and payload, or the reason they cannot be trusted."""
+def _read_payload(fd: int, offset: int, payload_len: int, digest: bytes) -> bytes | str:
+    """The payload of the record at ``offset`` (one ``pread`` straight into the returned bytes),
+    checked against its table digest, or the reason it cannot be served."""
     payload = pread_exact(fd, payload_len, offset + PACK_RECORD.size)
+    if payload is None:
+        return "truncated"
+    if _digest(payload) != digest:
+        return "bad_digest"
+    return payload
+
+
+def _read_record(fd: int, row: Row | _Entry, key: bytes) -> tuple[PackRecord, bytes] | str:
+    """Read and check one whole record against its table row (``verify``, compaction): the
+    payload and its digest, then the header (magic, version, CRC, key, length, digest)."""
+    if isinstance(row, _Entry):
+        offset, payload_len, digest = row.offset, row.payload_len, row.digest
+    else:
+        _, offset, payload_len, digest = row
+    payload = _read_payload(fd, offset, payload_len, digest)
     raw = pread_exact(fd, PACK_RECORD.size, offset)
     if raw is None:
         return "truncated"
@@ -1129,12 +1117,10 @@ def _read_record(fd: int, offset: int, payload_len: int, key: bytes) -> tuple[Pa
         return record
     if record.key != key:
         return "wrong_key"
-    if record.payload_len != payload_len:
-        return "size_mismatch"
-    if payload is None:
-        return "truncated"
-    if _digest(payload) != record.payload_xxh3_128:
-        return "bad_digest"
+    if record.payload_len != payload_len or record.payload_xxh3_128 != digest:
+        return "header_mismatch"
+    if isinstance(payload, str):
+        return payload
     return record, payload
 
 

@@ -96,10 +96,11 @@ def test_a_batch_is_one_pack_with_its_table(tmp_path: Path, clock: FakeClock) ->
     created, rows = parsed
     assert created == clock.now and [r[0] for r in rows] == [key for key, _ in items]
     raw = path.read_bytes()
-    for (key, offset, length), (_, data) in zip(rows, items, strict=True):
+    for (key, offset, length, digest), (_, data) in zip(rows, items, strict=True):
         rec = PackRecord.unpack(raw[offset : offset + REC])
         assert isinstance(rec, PackRecord)
         assert (rec.key, rec.payload_len, rec.kv_layout_version) == (key, length, 3)
+        assert rec.payload_xxh3_128 == digest == pack_mod._digest(data)
         assert raw[offset + REC : offset + REC + length] == data
     assert all(store.get(key) == data for key, data in items)
     reopened = PackStore(tmp_path, 64 * MiB, clock=clock)
@@ -198,19 +199,21 @@ def _other_key(raw: bytearray, at: int) -> None:
     raw[at + REC - 4 : at + REC] = struct.pack("<I", zlib.crc32(bytes(raw[at : at + REC - 4])))
 
 
-RECORD_DAMAGE: dict[str, tuple[Callable[[bytearray, int], None], str]] = {
-    "bit_flip_payload": (_flip_payload, "bad_digest"),
+PAYLOAD_DAMAGE: dict[str, Callable[[bytearray, int], None]] = {
+    "bit_flip_payload": _flip_payload,
+    "zero_filled_record": _zero_record,
+    "zero_filled_tail": _zero_payload_tail,
+}
+HEADER_DAMAGE: dict[str, tuple[Callable[[bytearray, int], None], str]] = {
     "bit_flip_header": (_flip_header, "bad_header_crc"),
-    "zero_filled": (_zero_record, "bad_magic"),
-    "zero_filled_tail": (_zero_payload_tail, "bad_digest"),
     "wrong_version": (_wrong_version, "wrong_version"),
     "wrong_key": (_other_key, "wrong_key"),
 }
 
 
-@pytest.mark.parametrize("name", sorted(RECORD_DAMAGE))
-def test_a_bad_record_is_a_miss_quarantined_and_its_neighbours_served(tmp_path: Path, name: str) -> None:
-    fn, reason = RECORD_DAMAGE[name]
+@pytest.mark.parametrize("name", sorted(PAYLOAD_DAMAGE))
+def test_a_bad_payload_is_a_miss_quarantined_and_its_neighbours_served(tmp_path: Path, name: str) -> None:
+    fn, reason = PAYLOAD_DAMAGE[name], "bad_digest"
     store = PackStore(tmp_path, 64 * MiB)
     assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(3)]) == [True] * 3
     path, offset = record_of(store, k(1))
@@ -225,6 +228,23 @@ def test_a_bad_record_is_a_miss_quarantined_and_its_neighbours_served(tmp_path: 
     reopened = PackStore(tmp_path, 64 * MiB)  # the tombstone keeps it out after a restart
     assert not reopened.contains(k(1)) and reopened.get(k(2)) == payload_for(2, 4096)
     assert reopened.verify().bad == []
+
+
+@pytest.mark.parametrize("name", sorted(HEADER_DAMAGE))
+def test_a_bad_record_header_is_found_by_verify(tmp_path: Path, name: str) -> None:
+    """A read needs only the payload and the table's digest, so an intact payload behind a
+    damaged header is still served exactly; verify reports the header and quarantines it."""
+    fn, reason = HEADER_DAMAGE[name]
+    store = PackStore(tmp_path, 64 * MiB)
+    assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(3)]) == [True] * 3
+    path, offset = record_of(store, k(1))
+    damage(path, _at(offset, fn))
+    assert store.get(k(1)) == payload_for(1, 4096)
+    report = store.verify(quarantine=True)
+    assert report.bad == [(f"{path.name}:{key_hex(k(1))}", reason)] and report.quarantined == 1
+    assert not store.contains(k(1)) and store.get(k(2)) == payload_for(2, 4096)
+    assert store.stats()["quarantine_reasons"] == {reason: 1}
+    store.check_integrity()
 
 
 def _cut_tail(raw: bytearray) -> None:
