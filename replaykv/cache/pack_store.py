@@ -54,7 +54,6 @@ import errno
 import os
 import secrets
 import struct
-import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -65,10 +64,9 @@ from typing import NamedTuple
 
 import xxhash
 
-from replaykv.cache.fileio import errname, fsync_dir, is_orphan_temp, pread_exact, write_all
+from replaykv.cache.fileio import errname, fsync_dir, pread_exact, write_all
 from replaykv.cache.keys import KEY_BYTES, key_hex
-from replaykv.cache.metrics import LabeledCounter, TierMetrics
-from replaykv.cache.store import EntryMeta, GcReport, GlobalKVStore, Payload, VerifyReport
+from replaykv.cache.store import EntryMeta, GcReport, LocalStore, Payload, VerifyReport
 
 __all__ = [
     "PACK_FORMAT_VERSION",
@@ -269,7 +267,7 @@ def read_pack_table(fd: int, file_size: int) -> tuple[float, list[Row]] | str:
     return created, rows
 
 
-class PackStore(GlobalKVStore):
+class PackStore(LocalStore[_Entry]):
     """Entries in pack files under ``root`` (see the module docstring for the layout).
 
     Args:
@@ -300,49 +298,20 @@ class PackStore(GlobalKVStore):
         orphan_grace_s: float = 3600.0,
         open_packs: int = DEFAULT_OPEN_PACKS,
     ) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0; got {capacity_bytes}")
-        if retention_s is not None and retention_s <= 0:
-            raise ValueError(f"retention_s must be > 0 or None (no expiry); got {retention_s}")
-        self.root = Path(root)
-        self.capacity_bytes = capacity_bytes
-        self.retention_s = retention_s
-        self.read_only = read_only
-        self.orphan_grace_s = orphan_grace_s
+        super().__init__(root, capacity_bytes, retention_s, clock, read_only, orphan_grace_s, "packs")
         self.open_packs = max(1, open_packs)
-        self._clock = clock
-        self._packs_dir = self.root / "packs"
+        self._packs_dir = self._data_dir
         self._packs_str = str(self._packs_dir)
-        self._quarantine_dir = self.root / "quarantine"
-        self.metrics = TierMetrics("global_kv_store")
-        self.quarantine_reasons = LabeledCounter()
-        self.orphans_swept = 0
-        self.temp_files_seen = 0
-        self.unknown_files = 0
-        self._lock = threading.Lock()  # guards everything below
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # oldest access first
-        self._packs: dict[str, _Pack] = {}
+        self._packs: dict[str, _Pack] = {}  # guarded by _lock, as everything below
         self._open: OrderedDict[str, _Pack] = OrderedDict()  # packs with an open fd, LRU first
         self._reserved = 0  # bytes of packs between make-room and publish
-        self._publishing: set[str] = set()  # pack ids being published (never evicted)
+        self._publishing: set[str] = set()  # pack ids being published
         self._known_dirs: set[str] = set()  # fan-out dirs whose own name is known to be durable
-        if not read_only:
-            self._quarantine_dir.mkdir(parents=True, exist_ok=True)
-            self._packs_dir.mkdir(parents=True, exist_ok=True)
-        elif not self.root.is_dir():
-            raise FileNotFoundError(f"no store at {self.root}")
         self._scan()
 
     # ---------------------------------------------------------------- paths
     def _dir_for(self, pack_id: str) -> str:
         return f"{self._packs_str}/{pack_id[0:2]}"
-
-    @staticmethod
-    def _check_key(key: bytes) -> None:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(
-                f"store keys are {KEY_BYTES}-byte digests (see replaykv.cache.keys); got {key!r:.80}"
-            )
 
     # ---------------------------------------------------------------- start-up
     def _iter_pack_dir(self) -> Iterator[os.DirEntry[str]]:
@@ -362,11 +331,7 @@ class PackStore(GlobalKVStore):
             except FileNotFoundError:
                 continue
             if name.startswith(".") and name.endswith(".tmp"):
-                self.temp_files_seen += 1
-                if not self.read_only and is_orphan_temp(name, st.st_ctime, self.orphan_grace_s):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(item.path)
-                        self.orphans_swept += 1
+                self._sweep_temp(item, st)
                 continue
             if name.endswith(".dead"):
                 tombstones[name[:-5]] = _read_tombstones(item.path)
@@ -421,9 +386,6 @@ class PackStore(GlobalKVStore):
             self._opened_over_capacity = self.metrics.bytes_resident.value > self.capacity_bytes
 
     # ---------------------------------------------------------------- helpers under _lock
-    def _expired(self, entry: _Entry, now: float) -> bool:
-        return self.retention_s is not None and now - entry.last_access > self.retention_s
-
     def _drop_locked(self, key: bytes, tombstone: bool = True) -> _Entry | None:
         """Remove ``key`` from the index; its pack goes when nothing in it is left, otherwise the
         key is recorded in the pack's tombstones (``tombstone=False``: the caller removes the
@@ -574,16 +536,10 @@ class PackStore(GlobalKVStore):
         ``raise_on_error=True`` raises the ``OSError`` after the batch was settled and counted.
         """
         batch = list(items)
-        keys = [key for key, _ in batch]
-        for key in keys:
-            self._check_key(key)
-        if len(set(keys)) != len(keys):
-            raise ValueError("put_many: a key appears more than once in the batch")
-        results = [False] * len(batch)
+        self._check_batch([key for key, _ in batch])
         if self.read_only:
-            for _ in batch:
-                self.metrics.record_put(False, error="read_only")
-            return results
+            return self._refuse_read_only(len(batch))
+        results = [False] * len(batch)
         if not batch:
             return results
         meta = meta or EntryMeta()
@@ -784,13 +740,6 @@ class PackStore(GlobalKVStore):
         for key in keys:
             self._check_key(key)
 
-    def contains(self, key: bytes) -> bool:
-        self._check_key(key)
-        now = self._clock()
-        with self._lock:
-            entry = self._index.get(key)
-            return entry is not None and not self._expired(entry, now)
-
     def delete(self, key: bytes) -> bool:
         self._check_key(key)
         if self.read_only:
@@ -800,15 +749,6 @@ class PackStore(GlobalKVStore):
         if entry is not None:
             self.metrics.deletes.inc()
         return entry is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-    def indexed_keys(self) -> list[bytes]:
-        """Indexed keys, least recently accessed first (a snapshot)."""
-        with self._lock:
-            return list(self._index)
 
     def pack_of(self, key: bytes) -> tuple[str, int] | None:
         """(pack file path, record offset) of an indexed key: for operators and tests."""
@@ -889,14 +829,7 @@ class PackStore(GlobalKVStore):
         if compact:
             for pack in sparse:
                 report.bytes_freed += self._compact(pack, now)
-        if self.retention_s is not None and self._quarantine_dir.is_dir():
-            for item in os.scandir(self._quarantine_dir):
-                try:
-                    if now - item.stat(follow_symlinks=False).st_mtime > self.retention_s:
-                        os.unlink(item.path)
-                        report.quarantine_purged += 1
-                except OSError:
-                    continue
+        report.quarantine_purged = self._purge_quarantine(now)
         return report
 
     def _compact(self, old: _Pack, now: float) -> int:
@@ -1029,16 +962,7 @@ class PackStore(GlobalKVStore):
                 oldest_access=min((e.last_access for e in self._index.values()), default=None),
                 newest_access=max((e.last_access for e in self._index.values()), default=None),
             )
-        quarantine_files = (
-            sum(1 for _ in os.scandir(self._quarantine_dir)) if self._quarantine_dir.is_dir() else 0
-        )
-        out.update(
-            quarantine_reasons=self.quarantine_reasons.as_dict(),
-            quarantine_files=quarantine_files,
-            orphans_swept=self.orphans_swept,
-            temp_files_seen=self.temp_files_seen,
-            unknown_files=self.unknown_files,
-        )
+        out.update(self._scan_stats())
         return out
 
     def check_integrity(self, check_files: bool = True) -> None:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
@@ -237,6 +237,125 @@ class GlobalKVStore(ABC):
     def check_integrity(self) -> None: ...
 
 
+class _Accessed(Protocol):
+    last_access: float
+
+
+_E = TypeVar("_E", bound=_Accessed)
+
+
+class LocalStore(GlobalKVStore, Generic[_E]):
+    """What the two on-disk layouts (:class:`DirectoryStore`, ``PackStore``) share: the
+    constructor's common arguments and checks, the in-memory index of entries with a last access
+    (oldest first), retention, key checks, batch checks, the quarantine folder and the counters
+    of the start-up scan. Subclasses own the files under ``root/<data_dir>``."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        retention_s: float | None,
+        clock: Callable[[], float],
+        read_only: bool,
+        orphan_grace_s: float,
+        data_dir: str,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0; got {capacity_bytes}")
+        if retention_s is not None and retention_s <= 0:
+            raise ValueError(f"retention_s must be > 0 or None (no expiry); got {retention_s}")
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.retention_s = retention_s
+        self.read_only = read_only
+        self.orphan_grace_s = orphan_grace_s
+        self._clock = clock
+        self._data_dir = self.root / data_dir
+        self._quarantine_dir = self.root / "quarantine"
+        self.metrics = TierMetrics("global_kv_store")
+        self.quarantine_reasons = LabeledCounter()
+        self.orphans_swept = 0
+        self.temp_files_seen = 0
+        self.unknown_files = 0
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, _E] = OrderedDict()  # oldest access first
+        if not read_only:
+            self._quarantine_dir.mkdir(parents=True, exist_ok=True)
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise FileNotFoundError(f"no store at {self.root}")
+
+    @staticmethod
+    def _check_key(key: bytes) -> None:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(
+                f"store keys are {KEY_BYTES}-byte digests (see replaykv.cache.keys); got {key!r:.80}"
+            )
+
+    def _check_batch(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._check_key(key)
+        if len(set(keys)) != len(keys):
+            raise ValueError("put_many: a key appears more than once in the batch")
+
+    def _refuse_read_only(self, n: int) -> list[bool]:
+        for _ in range(n):
+            self.metrics.record_put(False, error="read_only")
+        return [False] * n
+
+    def _expired(self, entry: _E, now: float) -> bool:
+        return self.retention_s is not None and now - entry.last_access > self.retention_s
+
+    def _sweep_temp(self, item: os.DirEntry[str], st: os.stat_result) -> None:
+        """Count a temp file found by the start-up scan; remove it if its writer is gone."""
+        self.temp_files_seen += 1
+        if not self.read_only and is_orphan_temp(item.name, st.st_ctime, self.orphan_grace_s):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(item.path)
+                self.orphans_swept += 1
+
+    def _purge_quarantine(self, now: float) -> int:
+        """Delete quarantined files older than the retention; how many."""
+        purged = 0
+        if self.retention_s is not None and self._quarantine_dir.is_dir():
+            for item in os.scandir(self._quarantine_dir):
+                try:
+                    if now - item.stat(follow_symlinks=False).st_mtime > self.retention_s:
+                        os.unlink(item.path)
+                        purged += 1
+                except OSError:
+                    continue
+        return purged
+
+    def _scan_stats(self) -> dict[str, object]:
+        quarantine_files = (
+            sum(1 for _ in os.scandir(self._quarantine_dir)) if self._quarantine_dir.is_dir() else 0
+        )
+        return {
+            "quarantine_reasons": self.quarantine_reasons.as_dict(),
+            "quarantine_files": quarantine_files,
+            "orphans_swept": self.orphans_swept,
+            "temp_files_seen": self.temp_files_seen,
+            "unknown_files": self.unknown_files,
+        }
+
+    def contains(self, key: bytes) -> bool:
+        self._check_key(key)
+        now = self._clock()
+        with self._lock:
+            entry = self._index.get(key)
+            return entry is not None and not self._expired(entry, now)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def indexed_keys(self) -> list[bytes]:
+        """Indexed keys, least recently accessed first (a snapshot)."""
+        with self._lock:
+            return list(self._index)
+
+
 @dataclass
 class _Entry:
     size: int  # bytes on disk, header included
@@ -279,7 +398,7 @@ _SIZE_CHANGED = "size_changed"  # _read_verified: the file is not the size the i
 _PAYLOAD_FIRST_MAX = 256 << 20  # read payloads up to this size before their header (see _read_verified)
 
 
-class DirectoryStore(GlobalKVStore):
+class DirectoryStore(LocalStore[_Entry]):
     """One file per entry under ``root`` (see the module docstring for the layout).
 
     Args:
@@ -312,39 +431,17 @@ class DirectoryStore(GlobalKVStore):
         orphan_grace_s: float = 3600.0,
         io_threads: int = DEFAULT_IO_THREADS,
     ) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0; got {capacity_bytes}")
-        if retention_s is not None and retention_s <= 0:
-            raise ValueError(f"retention_s must be > 0 or None (no expiry); got {retention_s}")
-        self.root = Path(root)
-        self.capacity_bytes = capacity_bytes
-        self.retention_s = retention_s
-        self.read_only = read_only
-        self.orphan_grace_s = orphan_grace_s
+        super().__init__(root, capacity_bytes, retention_s, clock, read_only, orphan_grace_s, "entries")
         self.io_threads = max(1, io_threads)
-        self._clock = clock
-        self._entries_dir = self.root / "entries"
+        self._entries_dir = self._data_dir
         self._entries_str = str(self._entries_dir)
-        self._quarantine_dir = self.root / "quarantine"
-        self.metrics = TierMetrics("global_kv_store")
-        self.quarantine_reasons = LabeledCounter()
-        self.orphans_swept = 0
-        self.temp_files_seen = 0
-        self.unknown_files = 0
         # Lock order: a key stripe, then _lock. _lock guards the index, gauges and reservations.
-        self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(64)]
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # oldest access first
         self._reserved = 0  # bytes of puts between make-room and index update
         self._publishing: set[bytes] = set()
         self._known_dirs: set[str] = set()  # fan-out dirs whose own name is known to be durable
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        if not read_only:
-            self._quarantine_dir.mkdir(parents=True, exist_ok=True)
-            self._entries_dir.mkdir(parents=True, exist_ok=True)
-        elif not self.root.is_dir():
-            raise FileNotFoundError(f"no store at {self.root}")
         self._scan()
 
     # ---------------------------------------------------------------- paths
@@ -357,13 +454,6 @@ class DirectoryStore(GlobalKVStore):
 
     def _stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[key[0] % len(self._stripes)]
-
-    @staticmethod
-    def _check_key(key: bytes) -> None:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(
-                f"store keys are {KEY_BYTES}-byte digests (see replaykv.cache.keys); got {key!r:.80}"
-            )
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -413,13 +503,7 @@ class DirectoryStore(GlobalKVStore):
                 continue
             name = item.name
             if name.startswith(".") and name.endswith(".tmp"):
-                self.temp_files_seen += 1
-                if not self.read_only and is_orphan_temp(name, st.st_ctime, self.orphan_grace_s):
-                    try:
-                        os.unlink(item.path)
-                        self.orphans_swept += 1
-                    except FileNotFoundError:
-                        pass
+                self._sweep_temp(item, st)
                 continue
             if not name.endswith(".kv"):
                 self.unknown_files += 1
@@ -444,9 +528,6 @@ class DirectoryStore(GlobalKVStore):
             self._opened_over_capacity = self.metrics.bytes_resident.value > self.capacity_bytes
 
     # ---------------------------------------------------------------- helpers under _lock
-    def _expired(self, entry: _Entry, now: float) -> bool:
-        return self.retention_s is not None and now - entry.last_access > self.retention_s
-
     def _drop_locked(self, key: bytes) -> _Entry | None:
         entry = self._index.pop(key, None)
         if entry is not None:
@@ -521,17 +602,11 @@ class DirectoryStore(GlobalKVStore):
         first ``OSError`` after the whole batch was settled and counted.
         """
         batch = list(items)
-        keys = [key for key, _ in batch]
-        for key in keys:
-            self._check_key(key)
-        if len(set(keys)) != len(keys):
-            raise ValueError("put_many: a key appears more than once in the batch")
+        self._check_batch([key for key, _ in batch])
+        if self.read_only:
+            return self._refuse_read_only(len(batch))
         meta = meta or EntryMeta()
         results = [False] * len(batch)
-        if self.read_only:
-            for _ in batch:
-                self.metrics.record_put(False, error="read_only")
-            return results
         now = self._clock()
         writes: list[_Write] = []
         for i, (key, payload) in enumerate(batch):
@@ -848,13 +923,6 @@ class DirectoryStore(GlobalKVStore):
                 with self._lock:
                     self._drop_locked(key)
 
-    def contains(self, key: bytes) -> bool:
-        self._check_key(key)
-        now = self._clock()
-        with self._lock:
-            entry = self._index.get(key)
-            return entry is not None and not self._expired(entry, now)
-
     def delete(self, key: bytes) -> bool:
         self._check_key(key)
         if self.read_only:
@@ -867,15 +935,6 @@ class DirectoryStore(GlobalKVStore):
         if entry is not None:
             self.metrics.deletes.inc()
         return entry is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-    def indexed_keys(self) -> list[bytes]:
-        """Indexed keys, least recently accessed first (a snapshot)."""
-        with self._lock:
-            return list(self._index)
 
     # ---------------------------------------------------------------- maintenance
     def gc(self) -> GcReport:
@@ -906,14 +965,7 @@ class DirectoryStore(GlobalKVStore):
                 report.bytes_freed += entry.size
                 self.metrics.evictions.inc()
                 self._remove_file(victim)
-        if self.retention_s is not None and self._quarantine_dir.is_dir():
-            for item in os.scandir(self._quarantine_dir):
-                try:
-                    if now - item.stat(follow_symlinks=False).st_mtime > self.retention_s:
-                        os.unlink(item.path)
-                        report.quarantine_purged += 1
-                except OSError:
-                    continue
+        report.quarantine_purged = self._purge_quarantine(now)
         return report
 
     def verify(self, quarantine: bool = False) -> VerifyReport:
@@ -965,16 +1017,7 @@ class DirectoryStore(GlobalKVStore):
                 oldest_access=min((e.last_access for e in self._index.values()), default=None),
                 newest_access=max((e.last_access for e in self._index.values()), default=None),
             )
-        quarantine_files = (
-            sum(1 for _ in os.scandir(self._quarantine_dir)) if self._quarantine_dir.is_dir() else 0
-        )
-        out.update(
-            quarantine_reasons=self.quarantine_reasons.as_dict(),
-            quarantine_files=quarantine_files,
-            orphans_swept=self.orphans_swept,
-            temp_files_seen=self.temp_files_seen,
-            unknown_files=self.unknown_files,
-        )
+        out.update(self._scan_stats())
         return out
 
     def check_integrity(self, check_files: bool = True) -> None:

@@ -52,8 +52,7 @@ from replaykv.cache.device_pool import DevicePool
 from replaykv.cache.layout import CacheLayout
 from replaykv.cache.manager import CacheManager
 from replaykv.cache.metrics import Counter, Histogram, LabeledCounter
-from replaykv.cache.pack_store import PackStore
-from replaykv.cache.store import DirectoryStore
+from replaykv.cache.store import LocalStore
 from replaykv.cache.stores import make_store
 from replaykv.cache.swa_pool import make_swa_pool
 from replaykv.cache.views import allocate_view
@@ -513,7 +512,7 @@ class Engine(EngineAPI):
             cache.device_pool.evict_unreferenced()
         if cache.swa_pool is not None:
             cache.swa_pool.flush()
-        if cache.store is not None and isinstance(cache.store, DirectoryStore | PackStore):
+        if cache.store is not None and isinstance(cache.store, LocalStore):
             for key in cache.store.indexed_keys():
                 cache.store.delete(key)
 

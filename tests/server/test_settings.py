@@ -87,7 +87,7 @@ def test_api_keys_forms() -> None:
         ([], {"REPLAYKV_PORT": "eighty"}, "REPLAYKV_PORT"),
         ([], {"REPLAYKV_ENABLE_DECODER_SWA_BOUNDED_REPLAY": "maybe"}, "REPLAYKV_ENABLE_DECODER"),
         ([], {"REPLAYKV_SWA_POOL": "disk"}, "REPLAYKV_SWA_POOL"),
-        (["--store-format", "sqlite"], {}, "--store-format"),
+        ([], {"REPLAYKV_STORE_FORMAT": "sqlite"}, "REPLAYKV_STORE_FORMAT"),
         (["--max-running-requests", "0"], {}, "--max-running-requests"),
         (["--port", "70000"], {}, "port"),
         (["--context-length", "0"], {}, "--context-length"),
