@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from report import replace_section
 
+from replaykv.cache.pack_store import PACK_FORMAT_VERSION, PackStore
 from replaykv.cache.store import DEFAULT_IO_THREADS, STORE_FORMAT_VERSION, DirectoryStore
 from replaykv.cache.swa_pool import MemorySwaPool, RedisSwaPool
 
@@ -43,6 +44,7 @@ CHUNK_BYTES = 256 * 890  # one 256-token chunk of V4.1-Flash global KV (890 B/to
 SNAPSHOT_BYTES = 40 * 128 * 528  # one V4.1-Flash SWA window snapshot (2,703,360 B)
 BATCH = {CHUNK_BYTES: 16, 16 * CHUNK_BYTES: 4}  # a request's new chunks: one put_many per request
 MiB = 1 << 20
+WRITE_ROUNDS = 5
 MARK_BEGIN = "<!-- bench_store:begin -->"
 MARK_END = "<!-- bench_store:end -->"
 
@@ -69,11 +71,15 @@ Store baselines (same bytes, same run; the store rows' ratios are store MiB/s ÷
 {batch_tokens:,}-token request in 256-token chunks), {big_batch} of the second (a {big_tokens:,}-token
 request in 4,096-token entries); `prefetch` of the same batches before their `get`s is how a
 cache load reads a prefix's chunks (a read-ahead hint: the disk works on a batch at once).
-Entries written one at a time by `put`, and by 4 threads calling `put`, are shown too. Store
-format version {version}; the store's I/O threads: {threads}.
-Writes run once each (every write creates new files); reads are the median of 9 interleaved
-rounds (3 with the cache dropped before each) after one warm-up round, pool operations the
-median of 5, so a slow spell of a shared machine hits the tiers and their baselines alike.
+Entries written one at a time by `put`, and by 4 threads calling `put`, are shown too. Two
+stores: `DirectoryStore` (a file per entry, format version {version}, {threads} I/O threads) and
+`PackStore` (a file per `put_many` batch, pack format version {pack_version}: one fsync, one
+rename and one directory fsync per batch; reads `pread` from descriptors it keeps open; its
+`prefetch` does nothing, so it has no prefetched rows).
+Writes are the median of {write_rounds} interleaved rounds, each case deleting what it wrote the
+round before; reads the median of 9 interleaved rounds (3 with the cache dropped before each);
+both after one warm-up round; pool operations the median of 5, so a slow spell of a shared
+machine hits the tiers and their baselines alike.
 """
 
 
@@ -139,12 +145,6 @@ def keys(n: int, tag: bytes) -> list[bytes]:
     return [hashlib.sha256(tag + b"-%d" % i).digest() for i in range(n)]
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def interleaved(
     cases: dict[str, tuple[Callable[[], object], Callable[[], None] | None]], rounds: int
 ) -> dict[str, float]:
@@ -186,10 +186,10 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
+def bench_store(workdir: Path, size: int, n: int, batch: int, write_rounds: int = WRITE_ROUNDS) -> list[Row]:
     data = payloads(size, n)
-    ks_put, ks_many, ks_threads = (
-        keys(n, b"store-%s-%d" % (tag, size)) for tag in (b"put", b"many", b"threads")
+    ks_put, ks_many, ks_threads, ks_pack_put, ks_pack = (
+        keys(n, b"store-%s-%d" % (tag, size)) for tag in (b"put", b"many", b"threads", b"pput", b"pack")
     )
     root = workdir / f"store-{size}"
     one_file = workdir / f"one-file-{size}.bin"
@@ -197,6 +197,19 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
     file_dir.mkdir()
     chunk_files = [file_dir / f"{i:06d}.bin" for i in range(n)]
     store = DirectoryStore(root, capacity_bytes=1 << 40)
+    pack_root = workdir / f"pack-store-{size}"
+    pack = PackStore(pack_root, capacity_bytes=1 << 40)
+
+    def forget(target: DirectoryStore | PackStore, ks: list[bytes]) -> Callable[[], None]:
+        def clear() -> None:
+            for key in ks:
+                target.delete(key)
+
+        return clear
+
+    def clear_files() -> None:
+        for path in chunk_files:
+            path.unlink(missing_ok=True)
 
     def one_file_writes() -> None:
         fd = os.open(one_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -225,6 +238,15 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
         for start in range(0, n, batch):
             items = list(zip(ks_many[start : start + batch], data[start : start + batch], strict=True))
             assert all(store.put_many(items))
+
+    def pack_puts() -> None:
+        for key, payload in zip(ks_pack_put, data, strict=True):
+            assert pack.put(key, payload)
+
+    def pack_put_many() -> None:
+        for start in range(0, n, batch):
+            items = list(zip(ks_pack[start : start + batch], data[start : start + batch], strict=True))
+            assert all(pack.put_many(items))
 
     def threaded_puts(threads: int = 4) -> None:
         with ThreadPoolExecutor(threads) as pool:
@@ -255,16 +277,33 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
             for key in ks_many[start : start + batch]:
                 assert store.get(key) is not None
 
-    w_b, w_a = timed(one_file_writes), timed(file_per_chunk_writes)
-    w_put, w_many, w_threads = timed(store_puts), timed(store_put_many), timed(threaded_puts)
+    def pack_gets() -> None:
+        for key in ks_pack:
+            assert pack.get(key) is not None
+
+    writes = interleaved(
+        {
+            "(b)": (one_file_writes, lambda: one_file.unlink(missing_ok=True)),
+            "(a)": (file_per_chunk_writes, clear_files),
+            "put": (store_puts, forget(store, ks_put)),
+            "many": (store_put_many, forget(store, ks_many)),
+            "threads": (threaded_puts, forget(store, ks_threads)),
+            "pack put": (pack_puts, forget(pack, ks_pack_put)),
+            "pack many": (pack_put_many, forget(pack, ks_pack)),
+        },
+        rounds=write_rounds,
+    )
     store.close()
-    wv = {"(a)": w_a, "(b)": w_b}
+    os.sync()  # the deletes and writes of the rounds settle before the reads are timed
+    wv = {"(a)": writes["(a)"], "(b)": writes["(b)"]}
     rows = [
-        Row("write (b) one file, 1 fsync at the end", size, n, w_b, dict(wv)),
-        Row("write (a) file per chunk, fsync each + 1 dir fsync", size, n, w_a, dict(wv)),
-        Row("store put, one at a time", size, n, w_put, dict(wv)),
-        Row(f"store put_many, {batch} per batch", size, n, w_many, dict(wv)),
-        Row("store put, 4 threads", size, n, w_threads, dict(wv)),
+        Row("write (b) one file, 1 fsync at the end", size, n, writes["(b)"], dict(wv)),
+        Row("write (a) file per chunk, fsync each + 1 dir fsync", size, n, writes["(a)"], dict(wv)),
+        Row("store put, one at a time", size, n, writes["put"], dict(wv)),
+        Row(f"store put_many, {batch} per batch", size, n, writes["many"], dict(wv)),
+        Row("store put, 4 threads", size, n, writes["threads"], dict(wv)),
+        Row("pack store put, one at a time", size, n, writes["pack put"], dict(wv)),
+        Row(f"pack store put_many, {batch} per batch", size, n, writes["pack many"], dict(wv)),
     ]
     read_set = [root / "entries" / k[:2] / k[2:4] / f"{k}.kv" for k in (key.hex() for key in ks_many)]
     warm = interleaved(
@@ -274,6 +313,7 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
             "(a)+crc": (file_per_chunk_reads_crc, None),
             "store": (store_gets, None),
             "store ahead": (store_prefetched_gets, None),
+            "pack": (pack_gets, None),
         },
         rounds=9,
     )
@@ -284,13 +324,16 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
         Row("read (a) + XXH3, page cache", size, n, warm["(a)+crc"], dict(rv)),
         Row("store get, page cache", size, n, warm["store"], dict(rv)),
         Row(f"store get, {batch} prefetched at a time, page cache", size, n, warm["store ahead"], dict(rv)),
+        Row("pack store get, page cache", size, n, warm["pack"], dict(rv)),
     ]
+    pack_files = sorted(pack_root.rglob("*.pack"))
     cold = interleaved(
         {
             "(b)": (one_file_reads, lambda: drop_page_cache([one_file])),
             "(a)": (file_per_chunk_reads, lambda: drop_page_cache(chunk_files)),
             "store": (store_gets, lambda: drop_page_cache(read_set)),
             "store ahead": (store_prefetched_gets, lambda: drop_page_cache(read_set)),
+            "pack": (pack_gets, lambda: drop_page_cache(pack_files)),
         },
         rounds=3,
     )
@@ -302,9 +345,12 @@ def bench_store(workdir: Path, size: int, n: int, batch: int) -> list[Row]:
         Row(
             f"store get, {batch} prefetched at a time, cache dropped", size, n, cold["store ahead"], dict(cv)
         ),
+        Row("pack store get, cache dropped", size, n, cold["pack"], dict(cv)),
     ]
     store.close()
+    pack.close()
     shutil.rmtree(root)
+    shutil.rmtree(pack_root)
     shutil.rmtree(file_dir)
     one_file.unlink()
     return rows
@@ -470,6 +516,8 @@ def main() -> int:
             big_tokens=BATCH[16 * CHUNK_BYTES] * 16 * 256,
             threads=DEFAULT_IO_THREADS,
             version=STORE_FORMAT_VERSION,
+            pack_version=PACK_FORMAT_VERSION,
+            write_rounds=WRITE_ROUNDS,
         )
     )
     columns = ["(a)", "(b)"]
