@@ -204,7 +204,13 @@ PAYLOAD_DAMAGE: dict[str, Callable[[bytearray, int], None]] = {
     "zero_filled_record": _zero_record,
     "zero_filled_tail": _zero_payload_tail,
 }
+def _other_digest(raw: bytearray, at: int) -> None:
+    raw[at + 96 : at + 112] = bytes(16)
+    raw[at + REC - 4 : at + REC] = struct.pack("<I", zlib.crc32(bytes(raw[at : at + REC - 4])))
+
+
 HEADER_DAMAGE: dict[str, tuple[Callable[[bytearray, int], None], str]] = {
+    "header_digest_differs_from_table": (_other_digest, "header_mismatch"),
     "bit_flip_header": (_flip_header, "bad_header_crc"),
     "wrong_version": (_wrong_version, "wrong_version"),
     "wrong_key": (_other_key, "wrong_key"),
