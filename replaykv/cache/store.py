@@ -1,9 +1,10 @@
 """Ledger 3: the persistent global-KV store (compressed KV + index-key chunks, opaque bytes).
 
 For: keeping chunk payloads across engine restarts behind the small :class:`GlobalKVStore`
-contract, and :class:`DirectoryStore`, its one-file-per-entry implementation on a local or
-shared file system: atomic publish (one entry, or a batch in one group commit), a checksummed
-header, quarantine of bad files, capacity and retention, metrics.
+contract; :class:`LocalStore`, what its two on-disk layouts share; and :class:`DirectoryStore`,
+the one-file-per-entry layout on a local or shared file system: atomic publish (one entry, or a
+batch in one group commit), a checksummed header, quarantine of bad files, capacity and
+retention, metrics. The other layout, a file per written batch, is ``cache/pack_store.py``.
 
 Not for: serialising tensors (the caller hands in bytes), choosing keys (``cache/keys.py``),
 SWA window snapshots (they never touch disk: ``cache/swa_pool.py``), or deciding what to
