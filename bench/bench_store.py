@@ -73,9 +73,9 @@ request in 4,096-token entries); `prefetch` of the same batches before their `ge
 cache load reads a prefix's chunks (a read-ahead hint: the disk works on a batch at once).
 Entries written one at a time by `put`, and by 4 threads calling `put`, are shown too. Two
 stores: `DirectoryStore` (a file per entry, format version {version}, {threads} I/O threads) and
-`PackStore` (a file per `put_many` batch, pack format version {pack_version}: one fsync, one
-rename and one directory fsync per batch; reads `pread` from descriptors it keeps open; its
-`prefetch` does nothing, so it has no prefetched rows).
+`PackStore` (pack format version {pack_version}: each `put_many` batch appended to a pack of up
+to 64 MiB with one fsync, or a new pack with a rename and a directory fsync; reads `pread` from
+descriptors it keeps open; its `prefetch` does nothing, so it has no prefetched rows).
 Writes are the median of {write_rounds} interleaved rounds, each case deleting what it wrote the
 round before; reads the median of 9 interleaved rounds (3 with the cache dropped before each);
 both after one warm-up round; pool operations the median of 5, so a slow spell of a shared

@@ -1,12 +1,14 @@
-"""Ledger 3 in pack files: the persistent global-KV store with one file per published batch.
+"""Ledger 3 in pack files: the persistent global-KV store that writes each batch in one piece.
 
 For: the same :class:`~replaykv.cache.store.GlobalKVStore` contract as
 :class:`~replaykv.cache.store.DirectoryStore`, for stores that hold many small chunks. A
-``put_many`` batch (a request's new chunks) becomes one *pack*: one temp file written
-sequentially, one ``fsync``, one rename, one directory ``fsync``, where a file per entry costs
-an ``fsync`` and a name per chunk. Reads are a ``pread`` at the entry's offset in a pack whose
-descriptor stays open, instead of an ``open``/``read``/``close`` per chunk. A million 256-token
-chunks of V4.1-Flash (228 KB each) are 62,500 packs of 16 instead of a million files.
+``put_many`` batch (a request's new chunks) is written in one piece, with one ``fsync``: appended
+to the newest *pack* while that stays under ``pack_bytes`` (64 MiB by default, at most 1/16 of
+the capacity), else as a new pack (temp file, ``fsync``, rename, directory ``fsync``). A file per
+entry costs an ``fsync`` and a name per chunk instead. Reads are a ``pread`` at the entry's
+offset through a descriptor that stays open. A million 256-token chunks of V4.1-Flash (228 KB
+each) are about 3,500 packs instead of a million files, and a prefix's chunks written one
+request after another lie in order in one file.
 
 Not for: serialising tensors, choosing keys, SWA snapshots (never on disk), or deciding what to
 write (``cache/manager.py``); a directory written by :class:`DirectoryStore` (``entries/``) is
@@ -15,36 +17,38 @@ not read here (``replaykv store`` tells the two apart).
 On-disk layout under ``root``::
 
     packs/ab/<32-hex pack id>.pack             published packs (ab: the id's first byte)
-    packs/ab/<32-hex pack id>.dead             keys dropped from that pack (tombstones)
+    packs/ab/<32-hex pack id>.dead             records dropped from that pack (key, offset)
     packs/ab/.<id>.<pid>.<rand>.tmp            a pack being written (or an orphan after a crash)
     quarantine/<key hex>.<reason>.<ns>.kv      a bad entry's bytes, never read again
-    quarantine/<pack id>.<reason>.<ns>.pack    a pack whose table could not be trusted
+    quarantine/<pack id>.<reason>.<ns>.pack    a pack whose first batch could not be trusted
 
-A pack is its records back to back, then its table, then its tail (:data:`PACK_RECORD`,
-:data:`PACK_TABLE_ROW`, :data:`PACK_TAIL`). The tail is written last and covers the table with
-a CRC, so a pack is either complete or has no valid tail; the start-up scan reads only each
-pack's tail and table (two ``pread`` calls) to rebuild the index. Each record carries its own
-header (key, length, namespace, layout version, XXH3-128 of the payload); the table repeats
-key, length and digest. A read checks the payload against the table's digest (a damaged
-payload is a miss and is quarantined; the header is not needed to serve it), ``verify`` checks
-headers and payloads against the table.
+A pack is one or more batches back to back. A batch is a head (:data:`PACK_BATCH`: its length),
+its records (:data:`PACK_RECORD` header + payload each), its table (:data:`PACK_TABLE_ROW`: key,
+offset, length and XXH3-128 of each payload) and a tail (:data:`PACK_TAIL`) that covers the
+table with a CRC. The start-up scan walks the batches from the front, reading heads, tails and
+tables only; it stops at the first batch that does not check out (one a crash cut short
+mid-append: its bytes stay dead, and that pack takes no more batches). A read checks the
+payload against the table's digest (a damaged payload is a miss and is quarantined; the record
+header is not needed to serve it); ``verify`` checks headers and payloads against the tables.
 
-Publishing: temp file → ``fsync`` → rename → ``fsync`` of the fan-out directory (and of its
-parents the first time), so a pack's name never points at data that is not durable and an
-entry is reported published only once its name is durable. A batch is one file, so an I/O
-error fails every entry of that batch (each ``False``, none visible); entries that do not fit
-the capacity are left out of the pack and reported ``False`` alone.
+Publishing: an entry is indexed, and reported published, only once its batch and the pack's
+name are durable. A new pack: temp file → ``fsync`` → rename → ``fsync`` of the fan-out
+directory (and of ``packs/`` and the root the first time). An append: ``write`` at the end →
+``fsync``; on an error the file is cut back to where it was and the pack takes no more batches.
+A batch is written in one piece, so an I/O error fails every entry of that batch (each
+``False``, none visible); entries that do not fit the capacity are left out and reported
+``False`` alone. One batch is written at a time.
 
 Dropping an entry (delete, replacement by a newer put, expiry, quarantine) removes it from the
-index and appends its key to the pack's ``.dead`` file; a pack whose entries are all dropped is
-unlinked. Tombstones are not fsynced: one lost in a crash can only bring back a complete entry
-whose bytes verify (a replaced key resolves to the newest pack, by the tail's ``created_at``).
-Capacity counts pack files whole, dead records included; eviction removes whole packs, the
-pack of the entry accessed longest ago first (a pack holds one request's chunks, read
-together); :meth:`PackStore.gc` also rewrites packs that are mostly dead records.
+index and appends (key, offset) to the pack's ``.dead`` file; a pack whose entries are all
+dropped is unlinked. Tombstones are not fsynced: one lost in a crash can only bring back a
+complete entry whose bytes verify (a replaced key resolves to its latest batch). Capacity counts
+pack files whole, dead records included; eviction removes whole packs, the pack of the entry
+accessed longest ago first; :meth:`PackStore.gc` also rewrites packs that are mostly dead.
 
-Recency across restarts: a pack's mtime is the last access of any of its entries (written at
-most once a minute per pack); at start-up every entry of a pack gets that time.
+Recency across restarts: a pack's mtime is the last write or access of any of its entries
+(accesses written at most once a minute per pack); at start-up every entry of a pack gets that
+time, so an entry that shares a pack with newer ones is kept longer, never shorter.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import errno
 import os
 import secrets
 import struct
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -106,16 +111,28 @@ length, XXH3-128 of the payload (the record header's digest again). Rows are in 
 The index keeps the row, so a read is one ``pread`` of the payload checked against the row's
 digest; ``verify`` also checks every record header against its row."""
 
+PACK_BATCH = struct.Struct("<8sHHIQI")
+"""The first 28 bytes of every batch in a pack: magic ``b"RKVPKBAT"``, u16 format version, u16
+reserved (0), u32 row count, u64 the batch's length in bytes (this head, its records, its table
+and its tail), u32 CRC-32 of bytes [0, 24). A pack is one or more batches back to back (a new
+batch is appended while the pack is under ``pack_bytes``), so the start-up scan walks them from
+the front and stops at the first that does not check out: a batch cut short by a crash
+mid-append, which then stays as dead bytes and ends the pack's appends."""
+
 PACK_TAIL = struct.Struct("<8sHHIdII")
 """The last 32 bytes of a pack: magic ``b"RKVPKEND"``, u16 format version, u16 reserved (0),
 u32 row count, f64 created_at (the pack's publish time: between two packs holding the same key
 the later one wins), u32 CRC-32 of the table, u32 CRC-32 of the tail's bytes [0, 28)."""
 
 _RECORD_CRC_OFFSET = PACK_RECORD.size - 4
+_BATCH_MAGIC = b"RKVPKBAT"
+_BATCH_CRC_OFFSET = PACK_BATCH.size - 4
 _TAIL_CRC_OFFSET = PACK_TAIL.size - 4
 _ZERO_DIGEST = bytes(KEY_BYTES)
+_TOMBSTONE = struct.Struct("<32sQ")  # a dropped record in a pack's .dead file: key, record offset
 _ACCESS_PERSIST_S = 60.0  # a pack's mtime (recency across restarts) is refreshed at most this often
 DEFAULT_OPEN_PACKS = 256  # descriptors kept open for reads; least recently used closed first
+DEFAULT_PACK_BYTES = 64 << 20  # batches appended to a pack until it reaches this size
 _COMPACT_BELOW = 0.5  # gc rewrites a pack whose live records fill less than this share of it
 
 
@@ -173,7 +190,7 @@ class _Pack:
     path: str
     size: int  # bytes of the file (records, dead ones too, + table + tail)
     created_at: float
-    table_bytes: int  # the table and tail at the end of the file
+    table_bytes: int  # the batches' heads, tables and tails (and a cut-short batch's bytes)
     keys: set[bytes] = field(default_factory=set)  # the indexed entries in this pack
     live_bytes: int = 0  # their record bytes (header + payload)
     disk_access: float = 0.0  # the mtime last written (or read at start-up)
@@ -224,11 +241,15 @@ class _Scanned:
     pack_id: str
     size: int
     mtime: float
-    created_at: float
-    rows: list[Row] = field(default_factory=list)
+    table: PackTable
 
 
 Row = tuple[bytes, int, int, bytes]  # key, record offset, payload length, payload XXH3-128
+
+
+def _batch_head(count: int, length: int) -> bytes:
+    head = PACK_BATCH.pack(_BATCH_MAGIC, PACK_FORMAT_VERSION, 0, count, length, 0)
+    return head[:_BATCH_CRC_OFFSET] + struct.pack("<I", zlib.crc32(head[:_BATCH_CRC_OFFSET]))
 
 
 def _table_bytes(rows: Sequence[Row], created_at: float) -> bytes:
@@ -237,34 +258,81 @@ def _table_bytes(rows: Sequence[Row], created_at: float) -> bytes:
     return table + tail[:_TAIL_CRC_OFFSET] + struct.pack("<I", zlib.crc32(tail[:_TAIL_CRC_OFFSET]))
 
 
-def read_pack_table(fd: int, file_size: int) -> tuple[float, list[Row]] | str:
-    """A pack's (created_at, rows), or the reason its tail or table cannot be trusted."""
-    if file_size < PACK_TAIL.size:
+def batch_overhead(count: int) -> int:
+    """Bytes of a batch of ``count`` records besides the records themselves."""
+    return PACK_BATCH.size + count * PACK_TABLE_ROW.size + PACK_TAIL.size
+
+
+@dataclass
+class PackTable:
+    """What a pack's batches say: rows (absolute offsets) with their batch's publish time, the
+    bytes of heads, tables and tails, and where the last batch that checks out ends."""
+
+    rows: list[Row] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # per row: its batch's created_at
+    overhead: int = 0
+    end: int = 0
+    created_at: float = 0.0  # of the last good batch
+
+
+def _read_batch(fd: int, at: int, file_size: int) -> tuple[float, list[Row], int] | str:
+    """The batch at ``at``: (created_at, rows, its length), or why it does not check out."""
+    if file_size - at < PACK_BATCH.size + PACK_TAIL.size:
         return "truncated"
-    raw = pread_exact(fd, PACK_TAIL.size, file_size - PACK_TAIL.size)
-    if raw is None:
+    head = pread_exact(fd, PACK_BATCH.size, at)
+    if head is None:
         return "truncated"
-    magic, version, _, count, created, table_crc, crc = PACK_TAIL.unpack(raw)
-    if magic != _TAIL_MAGIC:
-        return "bad_tail"
+    magic, version, _, count, length, crc = PACK_BATCH.unpack(head)
+    if magic != _BATCH_MAGIC:
+        return "bad_batch"
     if version != PACK_FORMAT_VERSION:
         return "wrong_version"
-    if zlib.crc32(raw[:_TAIL_CRC_OFFSET]) != crc:
+    if zlib.crc32(head[:_BATCH_CRC_OFFSET]) != crc:
+        return "bad_batch_crc"
+    end = at + length
+    if length < batch_overhead(count) or end > file_size:
+        return "truncated"
+    raw = pread_exact(fd, PACK_TAIL.size, end - PACK_TAIL.size)
+    if raw is None:
+        return "truncated"
+    magic, version, _, tail_count, created, table_crc, crc = PACK_TAIL.unpack(raw)
+    if magic != _TAIL_MAGIC:
+        return "bad_tail"
+    if zlib.crc32(raw[:_TAIL_CRC_OFFSET]) != crc or tail_count != count:
         return "bad_tail_crc"
     table_size = count * PACK_TABLE_ROW.size
-    table_at = file_size - PACK_TAIL.size - table_size
-    if table_at < 0:
-        return "truncated"
+    table_at = end - PACK_TAIL.size - table_size
     table = pread_exact(fd, table_size, table_at) if table_size else b""
     if table is None or zlib.crc32(table) != table_crc:
         return "bad_table"
     rows = [PACK_TABLE_ROW.unpack_from(table, i * PACK_TABLE_ROW.size) for i in range(count)]
-    end = 0
-    for _, offset, length, _ in rows:
-        if offset < end or offset + PACK_RECORD.size + length > table_at:
+    pos = at + PACK_BATCH.size
+    for _, offset, size, _ in rows:
+        if offset < pos or offset + PACK_RECORD.size + size > table_at:
             return "bad_table"
-        end = offset + PACK_RECORD.size + length
-    return created, rows
+        pos = offset + PACK_RECORD.size + size
+    return created, rows, length
+
+
+def read_pack_table(fd: int, file_size: int) -> PackTable | str:
+    """Walk a pack's batches from the front: everything up to the first batch that does not check
+    out (the reason, when even the first one does not)."""
+    table = PackTable()
+    while table.end < file_size:
+        batch = _read_batch(fd, table.end, file_size)
+        if isinstance(batch, str):
+            if table.end == 0:
+                return batch
+            break
+        created, rows, length = batch
+        table.rows += rows
+        table.times += [created] * len(rows)
+        table.overhead += batch_overhead(len(rows))
+        table.end += length
+        table.created_at = created
+    if table.end == 0:
+        return "truncated"
+    return table
 
 
 class PackStore(LocalStore[_Entry]):
@@ -281,10 +349,14 @@ class PackStore(LocalStore[_Entry]):
         read_only: inspect only: no orphan sweep, no puts, no tombstones, no quarantine moves.
         orphan_grace_s: a temp file whose writer pid is alive is swept only when older than this.
         open_packs: read descriptors kept open (least recently used closed first).
+        pack_bytes: a batch is appended to the newest pack while the pack stays at most this
+            large; None: 64 MiB or 1/16 of the capacity, whichever is smaller (eviction takes
+            whole packs); 0: a new pack for every batch.
 
-    Start-up reads every pack's tail and table to rebuild the index, quarantines packs whose
-    table cannot be trusted, applies tombstones, and sweeps orphaned temp files. It does not
-    evict; call :meth:`gc` to apply a lowered capacity or the retention.
+    Start-up walks every pack's batches to rebuild the index, quarantines packs whose first
+    batch cannot be trusted, applies tombstones, and sweeps orphaned temp files. It appends to
+    no pack written before it; it does not evict: call :meth:`gc` to apply a lowered capacity
+    or the retention.
     """
 
     def __init__(
@@ -297,9 +369,17 @@ class PackStore(LocalStore[_Entry]):
         read_only: bool = False,
         orphan_grace_s: float = 3600.0,
         open_packs: int = DEFAULT_OPEN_PACKS,
+        pack_bytes: int | None = None,
     ) -> None:
         super().__init__(root, capacity_bytes, retention_s, clock, read_only, orphan_grace_s, "packs")
         self.open_packs = max(1, open_packs)
+        # Batches are appended to the newest pack while it stays under this size; eviction takes
+        # packs whole, so they stay small next to the capacity. 0: a pack per batch.
+        self.pack_bytes = (
+            min(DEFAULT_PACK_BYTES, capacity_bytes // 16) if pack_bytes is None else max(0, pack_bytes)
+        )
+        self._append_to: _Pack | None = None  # the pack the next batch may be appended to
+        self._write_lock = threading.Lock()  # one batch written at a time
         self._packs_dir = self._data_dir
         self._packs_str = str(self._packs_dir)
         self._packs: dict[str, _Pack] = {}  # guarded by _lock, as everything below
@@ -323,7 +403,7 @@ class PackStore(LocalStore[_Entry]):
 
     def _scan(self) -> None:
         scanned: list[_Scanned] = []
-        tombstones: dict[str, set[bytes]] = {}
+        tombstones: dict[str, set[tuple[bytes, int]]] = {}
         for item in self._iter_pack_dir():
             name = item.name
             try:
@@ -353,22 +433,21 @@ class PackStore(LocalStore[_Entry]):
                 if not self.read_only:
                     self._quarantine_pack_file(item.path, pack_id, table)
                 continue
-            created, rows = table
-            scanned.append(_Scanned(item.path, pack_id, st.st_size, st.st_mtime, created, rows))
-        # Later packs win a key; entries get their pack's mtime; oldest access first in the index.
-        scanned.sort(key=lambda s: (s.created_at, s.pack_id))
-        owner: dict[bytes, tuple[_Pack, int, int, bytes]] = {}
+            scanned.append(_Scanned(item.path, pack_id, st.st_size, st.st_mtime, table))
+        # The latest batch wins a key; entries get their pack's mtime; oldest access first.
+        owner: dict[bytes, tuple[tuple[float, str, int], _Pack, int, int, bytes]] = {}
         packs: list[_Pack] = []
         for s in scanned:
-            table_bytes = len(s.rows) * PACK_TABLE_ROW.size + PACK_TAIL.size
-            pack = _Pack(s.pack_id, s.path, s.size, s.created_at, table_bytes, disk_access=s.mtime)
+            t = s.table
+            pack = _Pack(s.pack_id, s.path, s.size, t.created_at, t.overhead, disk_access=s.mtime)
             packs.append(pack)
             dead = tombstones.get(s.pack_id, set())
-            for key, offset, length, digest in s.rows:
-                if key not in dead:
-                    owner[key] = (pack, offset, length, digest)
+            for (key, offset, length, digest), when in zip(t.rows, t.times, strict=True):
+                order = (when, s.pack_id, offset)
+                if (key, offset) not in dead and (key not in owner or owner[key][0] < order):
+                    owner[key] = (order, pack, offset, length, digest)
         entries: list[tuple[float, bytes, _Entry]] = []
-        for key, (pack, offset, length, digest) in owner.items():
+        for key, (_, pack, offset, length, digest) in owner.items():
             pack.add(key, PACK_RECORD.size + length)
             entries.append((pack.disk_access, key, _Entry(pack, offset, length, digest, pack.disk_access)))
         entries.sort(key=lambda e: (e[0], e[2].pack.pack_id, e[2].offset))
@@ -396,13 +475,15 @@ class PackStore(LocalStore[_Entry]):
         self.metrics.entries.dec()
         pack = entry.pack
         pack.discard(key, entry.size)
-        if not pack.keys:
+        if not pack.keys and pack.pack_id not in self._publishing:  # (a batch is being appended)
             self._remove_pack_locked(pack)
         elif tombstone and not self.read_only:
-            self._append_tombstone(pack, key)
+            self._append_tombstone(pack, key, entry.offset)
         return entry
 
     def _remove_pack_locked(self, pack: _Pack) -> None:
+        if self._append_to is pack:
+            self._append_to = None
         if self._packs.pop(pack.pack_id, None) is None:
             return
         self.metrics.bytes_resident.dec(pack.size)
@@ -427,13 +508,15 @@ class PackStore(LocalStore[_Entry]):
             except OSError as exc:
                 self.metrics.errors.inc(f"unlink:{errname(exc)}")
 
-    def _append_tombstone(self, pack: _Pack, key: bytes) -> None:
+    def _append_tombstone(self, pack: _Pack, key: bytes, offset: int) -> None:
+        """Record that the record of ``key`` at ``offset`` is dropped (the key may come back in a
+        later batch of the same pack, so a tombstone names the record, not the key)."""
         try:
             fd = os.open(
                 pack.path[:-5] + ".dead", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644
             )
             try:
-                write_all(fd, key)
+                write_all(fd, _TOMBSTONE.pack(key, offset))
             finally:
                 os.close(fd)
         except OSError as exc:  # a lost tombstone only brings back a complete, verified entry
@@ -544,7 +627,7 @@ class PackStore(LocalStore[_Entry]):
             return results
         meta = meta or EntryMeta()
         now = self._clock()
-        overhead = PACK_TAIL.size
+        overhead = PACK_BATCH.size + PACK_TAIL.size
         staged: list[_Staged] = []
         refused: dict[int, str] = {}
         for i, (key, payload) in enumerate(batch):
@@ -554,8 +637,6 @@ class PackStore(LocalStore[_Entry]):
                 refused[i] = "too_large"
                 continue
             staged.append(_Staged(i, key, view, size))
-        pack_id = secrets.token_hex(16)
-        directory = self._dir_for(pack_id)
         with self._lock:
             fitted: list[_Staged] = []
             reserved = 0
@@ -567,11 +648,9 @@ class PackStore(LocalStore[_Entry]):
                 else:
                     refused[s.index] = "capacity:ENOSPC"
             self._reserved += reserved
-            if fitted:
-                self._publishing.add(pack_id)
         error: OSError | None = None
         stage = "write"
-        pack: _Pack | None = None
+        published = False
         try:
             if fitted:
                 for s in fitted:
@@ -586,15 +665,15 @@ class PackStore(LocalStore[_Entry]):
                         s.key,
                         s.digest,
                     ).pack()
-                stage, error, pack = self._write_pack(pack_id, directory, fitted, now)
+                with self._write_lock:
+                    size, reserved = reserved, 0  # _write_batch releases the reservation
+                    stage, error, published = self._write_batch(fitted, size, now)
         finally:
-            with self._lock:
-                self._reserved -= reserved
-                self._publishing.discard(pack_id)
-                if pack is not None:
-                    self._install_locked(pack, fitted, now)
+            if reserved:
+                with self._lock:
+                    self._reserved -= reserved
         for s in fitted:
-            if pack is not None:
+            if published:
                 results[s.index] = True
                 self.metrics.record_put(True, s.view.nbytes)
             else:
@@ -608,11 +687,76 @@ class PackStore(LocalStore[_Entry]):
                 raise OSError(errno.ENOSPC, "store capacity taken by entries being published")
         return results
 
+    def _write_batch(self, staged: list[_Staged], size: int, now: float) -> tuple[str, OSError | None, bool]:
+        """Append the batch (``size`` bytes, reserved) to the newest pack while it stays under
+        ``pack_bytes``, else start a new pack with it; index it once durable and release the
+        reservation. (stage reached, error, published)."""
+        with self._lock:
+            target = self._append_to
+            if target is not None and (target.removed or target.size + size > self.pack_bytes):
+                target = self._append_to = None
+            if target is not None:
+                self._publishing.add(target.pack_id)  # neither evicted nor removed meanwhile
+        if target is not None:
+            stage, error = self._append(target, staged, now)
+            with self._lock:
+                self._publishing.discard(target.pack_id)
+                self._reserved -= size
+                if error is None:
+                    self._install_locked(target, staged, now, size)
+                elif not target.keys:
+                    self._remove_pack_locked(target)
+            return stage, error, error is None
+        pack_id = secrets.token_hex(16)
+        stage, error, pack = self._write_pack(pack_id, self._dir_for(pack_id), staged, now)
+        with self._lock:
+            self._reserved -= size
+            if pack is not None:
+                self._install_locked(pack, staged, now, size)
+                if pack.size < self.pack_bytes:
+                    self._append_to = pack
+        return stage, error, pack is not None
+
+    def _append(self, pack: _Pack, staged: list[_Staged], now: float) -> tuple[str, OSError | None]:
+        """Append a batch to a published pack and fsync it (the pack's name is durable already).
+        On an error the file is cut back to where it was, and the pack takes no more batches."""
+        start = pack.size
+        stage = "write"
+        try:
+            fd = os.open(pack.path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            with self._lock:
+                self._append_to = None
+            return stage, exc
+        try:
+            os.lseek(fd, start, os.SEEK_SET)
+            _write_batch_bytes(fd, start, staged, now)
+            os.utime(fd, (now, now))  # mtime carries last access across restarts
+            stage = "fsync"
+            os.fsync(fd)
+        except OSError as exc:
+            with self._lock:
+                self._append_to = None
+            try:
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+            except OSError:  # what is left past `start` is a batch that does not check out
+                with contextlib.suppress(OSError), self._lock:
+                    extra = os.fstat(fd).st_size - start
+                    if extra > 0 and not pack.removed:
+                        pack.size += extra
+                        pack.table_bytes += extra
+                        self.metrics.bytes_resident.inc(extra)
+            return stage, exc
+        finally:
+            os.close(fd)
+        return stage, None
+
     def _write_pack(
         self, pack_id: str, directory: str, staged: list[_Staged], now: float
     ) -> tuple[str, OSError | None, _Pack | None]:
-        """Write ``staged`` (headers packed, digests set) as one pack: temp file, fsync, rename,
-        directory fsync. (stage reached, error, the published pack or None)."""
+        """Write ``staged`` (headers packed, digests set) as a new pack of one batch: temp file,
+        fsync, rename, directory fsync. (stage reached, error, the published pack or None)."""
         final = f"{directory}/{pack_id}.pack"
         tmp = f"{directory}/.{pack_id}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
         stage = "mkdir"
@@ -622,16 +766,7 @@ class PackStore(LocalStore[_Entry]):
             stage = "write"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                offset = 0
-                rows: list[Row] = []
-                for s in staged:
-                    s.offset = offset
-                    write_all(fd, s.header)
-                    write_all(fd, s.view)
-                    rows.append((s.key, offset, s.view.nbytes, s.digest))
-                    offset += s.size
-                tail = _table_bytes(rows, now)
-                write_all(fd, tail)
+                length = _write_batch_bytes(fd, 0, staged, now)
                 os.utime(fd, (now, now))  # mtime carries last access across restarts
                 stage = "fsync"
                 os.fsync(fd)
@@ -648,7 +783,8 @@ class PackStore(LocalStore[_Entry]):
                 os.unlink(final if renamed else tmp)  # visible but not durable: take it back
             return stage, exc, None
         self._known_dirs.update((directory, self._packs_str))
-        return stage, None, _Pack(pack_id, final, offset + len(tail), now, len(tail), disk_access=now)
+        table = batch_overhead(len(staged))
+        return stage, None, _Pack(pack_id, final, length, now, table, disk_access=now)
 
     def _make_dirs(self, leaf: str) -> tuple[str, ...]:
         """Create the fan-out directory if missing; the directories whose fsync makes a new name
@@ -661,9 +797,16 @@ class PackStore(LocalStore[_Entry]):
             return (leaf, self._packs_str)
         return (leaf, self._packs_str, str(self.root))
 
-    def _install_locked(self, pack: _Pack, fitted: list[_Staged], now: float) -> None:
-        self._packs[pack.pack_id] = pack
-        self.metrics.bytes_resident.inc(pack.size)
+    def _install_locked(self, pack: _Pack, fitted: list[_Staged], now: float, grown: int) -> None:
+        """Index a written batch: a new pack, or ``grown`` bytes appended to a published one."""
+        if pack.pack_id in self._packs:
+            pack.size += grown
+            pack.table_bytes += batch_overhead(len(fitted))
+            pack.created_at = now
+            self.metrics.bytes_resident.inc(grown)
+        else:
+            self._packs[pack.pack_id] = pack
+            self.metrics.bytes_resident.inc(pack.size)
         for s in fitted:
             self._drop_locked(s.key)  # the replaced version, if any
             self._index[s.key] = _Entry(pack, s.offset, s.view.nbytes, s.digest, now)
@@ -872,7 +1015,7 @@ class PackStore(LocalStore[_Entry]):
             self.metrics.bytes_resident.inc(new.size)
             for entry, s in moved:
                 if self._index.get(s.key) is not entry:  # replaced or dropped meanwhile
-                    self._append_tombstone(new, s.key)
+                    self._append_tombstone(new, s.key, s.offset)
                     continue
                 self._index[s.key] = _Entry(new, s.offset, entry.payload_len, entry.digest, entry.last_access)
                 new.add(s.key, s.size)
@@ -905,9 +1048,9 @@ class PackStore(LocalStore[_Entry]):
                             self._quarantine_known_pack(pack_id, item.path, table)
                             report.quarantined += 1
                         continue
-                    for row in table[1]:
+                    for row in table.rows:
                         key = row[0]
-                        if key in dead:
+                        if (key, row[1]) in dead:
                             continue
                         report.checked += 1
                         result = _read_record(fd, row, key)
@@ -1014,6 +1157,23 @@ class PackStore(LocalStore[_Entry]):
                     raise AssertionError(f"pack {path}: file {on_disk} B, index {size} B")
 
 
+def _write_batch_bytes(fd: int, start: int, staged: list[_Staged], now: float) -> int:
+    """Write one batch (head, records, table, tail) at the descriptor's position, which is
+    ``start`` in the pack; set each record's offset; the batch's length."""
+    length = batch_overhead(len(staged)) + sum(s.size for s in staged)
+    write_all(fd, _batch_head(len(staged), length))
+    offset = start + PACK_BATCH.size
+    rows: list[Row] = []
+    for s in staged:
+        s.offset = offset
+        write_all(fd, s.header)
+        write_all(fd, s.view)
+        rows.append((s.key, offset, s.view.nbytes, s.digest))
+        offset += s.size
+    write_all(fd, _table_bytes(rows, now))
+    return length
+
+
 def _read_payload(fd: int, offset: int, payload_len: int, digest: bytes) -> bytes | str:
     """The payload of the record at ``offset`` (one ``pread`` straight into the returned bytes),
     checked against its table digest, or the reason it cannot be served."""
@@ -1048,10 +1208,10 @@ def _read_record(fd: int, row: Row | _Entry, key: bytes) -> tuple[PackRecord, by
     return record, payload
 
 
-def _read_tombstones(path: str) -> set[bytes]:
+def _read_tombstones(path: str) -> set[tuple[bytes, int]]:
     try:
         raw = Path(path).read_bytes()
     except OSError:
         return set()
-    usable = len(raw) - len(raw) % KEY_BYTES  # a torn last key is ignored
-    return {raw[i : i + KEY_BYTES] for i in range(0, usable, KEY_BYTES)}
+    usable = len(raw) - len(raw) % _TOMBSTONE.size  # a torn last one is ignored
+    return {_TOMBSTONE.unpack_from(raw, i) for i in range(0, usable, _TOMBSTONE.size)}

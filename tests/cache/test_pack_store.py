@@ -15,12 +15,20 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import replaykv.cache.pack_store as pack_mod
 from replaykv.cache.keys import chunk_keys, key_hex
-from replaykv.cache.pack_store import PACK_RECORD, PACK_TABLE_ROW, PACK_TAIL, PackRecord, PackStore
+from replaykv.cache.pack_store import (
+    PACK_BATCH,
+    PACK_RECORD,
+    PACK_TABLE_ROW,
+    PACK_TAIL,
+    PackRecord,
+    PackStore,
+)
 from replaykv.cache.store import EntryMeta, GlobalKVStore
 from tests.cache.conftest import FakeClock, make_namespace
 from tests.cache.test_store import _fd_path, inject, k, payload_for
@@ -32,9 +40,15 @@ TAIL = PACK_TAIL.size
 MiB = 1 << 20
 
 
+def one_batch_packs(root: Path, capacity: int, **kwargs: Any) -> PackStore:
+    """A store that starts a new pack for every batch (``pack_bytes=0``), so that a test can
+    point at the pack of a batch; the appending default has tests of its own below."""
+    return PackStore(root, capacity, pack_bytes=0, **kwargs)
+
+
 def pack_size(*payloads: int) -> int:
     """Bytes of a pack holding records of these payload sizes."""
-    return sum(REC + n + ROW for n in payloads) + TAIL
+    return pack_mod.batch_overhead(len(payloads)) + sum(REC + n for n in payloads)
 
 
 def packs(root: Path, suffix: str = ".pack") -> list[Path]:
@@ -58,8 +72,8 @@ def damage(path: Path, fn: Callable[[bytearray], None]) -> None:
 
 # ---------------------------------------------------------------- round trip and layout
 def test_round_trip_and_contract(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, 64 * MiB)
-    assert isinstance(store, GlobalKVStore)
+    store = one_batch_packs(tmp_path, 64 * MiB)
+    assert isinstance(store, GlobalKVStore) and isinstance(store, PackStore)
     sizes = [0, 1, 4095, 256 * 890, 3 * MiB + 7]
     for i, size in enumerate(sizes):
         assert not store.contains(k(i)) and store.get(k(i)) is None
@@ -85,7 +99,7 @@ def test_round_trip_and_contract(tmp_path: Path) -> None:
 
 
 def test_a_batch_is_one_pack_with_its_table(tmp_path: Path, clock: FakeClock) -> None:
-    store = PackStore(tmp_path, 64 * MiB, clock=clock)
+    store = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     items = [(k(i), payload_for(i, 5000 + i)) for i in range(16)]
     assert store.put_many(items, EntryMeta(kv_layout_version=3)) == [True] * 16
     (path,) = packs(tmp_path)
@@ -93,8 +107,9 @@ def test_a_batch_is_one_pack_with_its_table(tmp_path: Path, clock: FakeClock) ->
     with open(path, "rb") as f:
         parsed = pack_mod.read_pack_table(f.fileno(), path.stat().st_size)
     assert not isinstance(parsed, str)
-    created, rows = parsed
+    created, rows = parsed.created_at, parsed.rows
     assert created == clock.now and [r[0] for r in rows] == [key for key, _ in items]
+    assert parsed.end == path.stat().st_size and parsed.overhead == pack_mod.batch_overhead(16)
     raw = path.read_bytes()
     for (key, offset, length, digest), (_, data) in zip(rows, items, strict=True):
         rec = PackRecord.unpack(raw[offset : offset + REC])
@@ -103,24 +118,24 @@ def test_a_batch_is_one_pack_with_its_table(tmp_path: Path, clock: FakeClock) ->
         assert rec.payload_xxh3_128 == digest == pack_mod._digest(data)
         assert raw[offset + REC : offset + REC + length] == data
     assert all(store.get(key) == data for key, data in items)
-    reopened = PackStore(tmp_path, 64 * MiB, clock=clock)
+    reopened = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     assert sorted(reopened.indexed_keys()) == sorted(key for key, _ in items)
     assert reopened.verify().ok == 16
     assert store.put_many([]) == []
 
 
 def test_put_many_rejects_bad_batches(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, MiB)
+    store = one_batch_packs(tmp_path, MiB)
     with pytest.raises(ValueError, match="more than once"):
         store.put_many([(k(1), b"a"), (k(2), b"b"), (k(1), b"c")])
     with pytest.raises(ValueError, match="32-byte"):
         store.put_many([(k(1), b"a"), (b"short", b"b")])
     assert len(store) == 0 and not packs(tmp_path, "")
-    assert PackStore(tmp_path, MiB, read_only=True).put_many([(k(1), b"a")]) == [False]
+    assert one_batch_packs(tmp_path, MiB, read_only=True).put_many([(k(1), b"a")]) == [False]
 
 
 def test_paired_tenants(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     tokens = list(range(5000, 5064))
     ns_a, ns_b = make_namespace("org_a"), make_namespace("org_b")
     keys_a = chunk_keys(ns_a, tokens)
@@ -136,7 +151,7 @@ def test_paired_tenants(tmp_path: Path) -> None:
 
 def test_header_records_meta(tmp_path: Path) -> None:
     ns = make_namespace("hdr", kv_layout_version=7)
-    store = PackStore(tmp_path, MiB)
+    store = one_batch_packs(tmp_path, MiB)
     key = chunk_keys(ns, list(range(16)))[0]
     assert store.put(key, b"abc", EntryMeta.for_namespace(ns))
     path, offset = record_of(store, key)
@@ -149,19 +164,19 @@ def test_header_records_meta(tmp_path: Path) -> None:
 
 def test_restart_sees_entries_and_recency(tmp_path: Path, clock: FakeClock) -> None:
     cap = 3 * pack_size(1000)
-    store = PackStore(tmp_path, cap, clock=clock)
+    store = one_batch_packs(tmp_path, cap, clock=clock)
     for i in range(3):
         assert store.put(k(i), payload_for(i))
         clock.advance(61)
     assert store.get(k(0)) == payload_for(0)  # k(0)'s pack becomes the most recent
     clock.advance(61)
-    reopened = PackStore(tmp_path, cap, clock=clock)
+    reopened = one_batch_packs(tmp_path, cap, clock=clock)
     assert len(reopened) == 3 and reopened.indexed_keys() == [k(1), k(2), k(0)]
     for i in range(3):
         clock.advance(61)
         assert reopened.get(k(i)) == payload_for(i)
     reopened.check_integrity()
-    third = PackStore(tmp_path, cap, clock=clock)
+    third = one_batch_packs(tmp_path, cap, clock=clock)
     assert third.indexed_keys() == [k(0), k(1), k(2)]  # the reads refreshed the packs' mtimes
     assert third.put(k(9), payload_for(9))
     assert not third.contains(k(0)) and third.stats()["evictions"] == 1
@@ -204,6 +219,8 @@ PAYLOAD_DAMAGE: dict[str, Callable[[bytearray, int], None]] = {
     "zero_filled_record": _zero_record,
     "zero_filled_tail": _zero_payload_tail,
 }
+
+
 def _other_digest(raw: bytearray, at: int) -> None:
     raw[at + 96 : at + 112] = bytes(16)
     raw[at + REC - 4 : at + REC] = struct.pack("<I", zlib.crc32(bytes(raw[at : at + REC - 4])))
@@ -220,7 +237,7 @@ HEADER_DAMAGE: dict[str, tuple[Callable[[bytearray, int], None], str]] = {
 @pytest.mark.parametrize("name", sorted(PAYLOAD_DAMAGE))
 def test_a_bad_payload_is_a_miss_quarantined_and_its_neighbours_served(tmp_path: Path, name: str) -> None:
     fn, reason = PAYLOAD_DAMAGE[name], "bad_digest"
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(3)]) == [True] * 3
     path, offset = record_of(store, k(1))
     damage(path, _at(offset, fn))
@@ -231,7 +248,7 @@ def test_a_bad_payload_is_a_miss_quarantined_and_its_neighbours_served(tmp_path:
     assert store.stats()["quarantined"] == 1 and store.stats()["quarantine_reasons"] == {reason: 1}
     assert store.get(k(0)) == payload_for(0, 4096) and store.get(k(2)) == payload_for(2, 4096)
     store.check_integrity()
-    reopened = PackStore(tmp_path, 64 * MiB)  # the tombstone keeps it out after a restart
+    reopened = one_batch_packs(tmp_path, 64 * MiB)  # the tombstone keeps it out after a restart
     assert not reopened.contains(k(1)) and reopened.get(k(2)) == payload_for(2, 4096)
     assert reopened.verify().bad == []
 
@@ -241,7 +258,7 @@ def test_a_bad_record_header_is_found_by_verify(tmp_path: Path, name: str) -> No
     """A read needs only the payload and the table's digest, so an intact payload behind a
     damaged header is still served exactly; verify reports the header and quarantines it."""
     fn, reason = HEADER_DAMAGE[name]
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(3)]) == [True] * 3
     path, offset = record_of(store, k(1))
     damage(path, _at(offset, fn))
@@ -274,23 +291,22 @@ def _appended(raw: bytearray) -> None:
 
 
 PACK_DAMAGE: dict[str, tuple[Callable[[bytearray], None], str]] = {
-    "truncated_tail": (_cut_tail, "bad_tail"),
-    "truncated_records": (_cut_into_records, "bad_tail"),
+    "truncated_tail": (_cut_tail, "truncated"),
+    "truncated_records": (_cut_into_records, "truncated"),
     "table_bit_flip": (_flip_table, "bad_table"),
-    "zero_filled": (_zero_pack, "bad_tail"),
-    "appended": (_appended, "bad_tail"),
+    "zero_filled": (_zero_pack, "bad_batch"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PACK_DAMAGE))
 def test_a_pack_without_a_trusted_table_is_quarantined_whole(tmp_path: Path, name: str) -> None:
     fn, reason = PACK_DAMAGE[name]
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(3)]) == [True] * 3
     assert store.put(k(9), payload_for(9))
     path, _ = record_of(store, k(0))
     damage(path, fn)
-    reopened = PackStore(tmp_path, 64 * MiB)
+    reopened = one_batch_packs(tmp_path, 64 * MiB)
     assert not any(reopened.contains(k(i)) for i in range(3)) and reopened.get(k(9)) == payload_for(9)
     assert reopened.stats()["quarantine_reasons"] == {reason: 1} and not path.exists()
     (quarantined,) = list((tmp_path / "quarantine").iterdir())
@@ -299,7 +315,7 @@ def test_a_pack_without_a_trusted_table_is_quarantined_whole(tmp_path: Path, nam
 
 
 def test_damage_under_a_live_store_is_caught_by_the_read(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(2)]) == [True, True]
     path, offset = record_of(store, k(1))
     with open(path, "r+b") as f:  # the file shrinks under the open store: the read notices
@@ -309,11 +325,11 @@ def test_damage_under_a_live_store_is_caught_by_the_read(tmp_path: Path) -> None
 
 
 def test_verify_reports_and_quarantines(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, MiB)
+    store = one_batch_packs(tmp_path, MiB)
     assert store.put_many([(k(i), payload_for(i)) for i in range(4)]) == [True] * 4
     path, offset = record_of(store, k(3))
     damage(path, _at(offset, _flip_payload))
-    report = PackStore(tmp_path, MiB, read_only=True).verify()
+    report = one_batch_packs(tmp_path, MiB, read_only=True).verify()
     assert (report.checked, report.ok, report.quarantined) == (4, 3, 0)
     assert report.bad == [(f"{path.name}:{key_hex(k(3))}", "bad_digest")]
     report = store.verify(quarantine=True)
@@ -336,7 +352,7 @@ FAULTS = {
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_write_faults_publish_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     func, err, when, label = FAULTS[fault]
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     assert store.put(k(0), payload_for(0))
     before = packs(tmp_path)
     with monkeypatch.context() as m:
@@ -351,13 +367,13 @@ def test_write_faults_publish_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     assert errors == {label: 4}
     assert store.stats()["puts_failed"] == 4
     store.check_integrity()
-    assert PackStore(tmp_path, 64 * MiB).get(k(1)) is None
+    assert one_batch_packs(tmp_path, 64 * MiB).get(k(1)) is None
     assert store.put_many([(k(1), payload_for(1)), (k(3), b"x")]) == [True, True]  # recovers
     assert store.get(k(1)) == payload_for(1)
 
 
 def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     real_write = os.write
     calls = {"n": 0}
 
@@ -377,7 +393,7 @@ def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_raise_on_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = PackStore(tmp_path, MiB)
+    store = one_batch_packs(tmp_path, MiB)
     with monkeypatch.context() as m:
         inject(m, tmp_path, "fsync", errno.EIO)
         with pytest.raises(OSError) as info:
@@ -387,8 +403,8 @@ def test_raise_on_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_read_error_is_a_miss_not_a_quarantine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    PackStore(tmp_path, MiB).put(k(1), b"data")
-    store = PackStore(tmp_path, MiB)  # no descriptor open yet: the first read opens the pack
+    one_batch_packs(tmp_path, MiB).put(k(1), b"data")
+    store = one_batch_packs(tmp_path, MiB)  # no descriptor open yet: the first read opens the pack
     with monkeypatch.context() as m:
         inject(m, tmp_path, "open", errno.EIO)
         assert store.get(k(1)) is None
@@ -401,7 +417,7 @@ def test_read_error_is_a_miss_not_a_quarantine(tmp_path: Path, monkeypatch: pyte
 
 
 def test_a_pack_removed_under_the_store_is_a_miss(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, MiB)
+    store = one_batch_packs(tmp_path, MiB)
     assert store.put(k(1), b"one") and store.put(k(2), b"two")
     path, _ = record_of(store, k(1))
     path.unlink()
@@ -410,28 +426,28 @@ def test_a_pack_removed_under_the_store_is_a_miss(tmp_path: Path) -> None:
 
 
 def test_read_only_store_writes_nothing(tmp_path: Path) -> None:
-    PackStore(tmp_path, MiB).put(k(1), b"data")
-    ro = PackStore(tmp_path, MiB, read_only=True)
+    one_batch_packs(tmp_path, MiB).put(k(1), b"data")
+    ro = one_batch_packs(tmp_path, MiB, read_only=True)
     assert ro.get(k(1)) == b"data"
     assert ro.put(k(2), b"x") is False and not ro.delete(k(1))
     assert ro.stats()["errors"] == {"read_only": 1} and not packs(tmp_path, ".dead")
     with pytest.raises(FileNotFoundError):
-        PackStore(tmp_path / "nope", MiB, read_only=True)
+        one_batch_packs(tmp_path / "nope", MiB, read_only=True)
 
 
 def test_reads_survive_short_preads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = PackStore(tmp_path, 64 * MiB)
+    store = one_batch_packs(tmp_path, 64 * MiB)
     data = payload_for(1, 300_000)
     assert store.put_many([(k(1), data), (k(2), payload_for(2, 5000))]) == [True, True]
     real_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: real_pread(fd, min(n, 4096), off))
     assert store.get(k(1)) == data and store.get(k(2)) == payload_for(2, 5000)
-    assert PackStore(tmp_path, 64 * MiB).verify().ok == 2
+    assert one_batch_packs(tmp_path, 64 * MiB).verify().ok == 2
 
 
 # ---------------------------------------------------------------- start-up scan
 def test_startup_sweeps_orphans_and_counts_unknown_files(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, MiB)
+    store = one_batch_packs(tmp_path, MiB)
     assert store.put(k(1), b"one")
     d = record_of(store, k(1))[0].parent
     dead_pid = int(
@@ -444,28 +460,28 @@ def test_startup_sweeps_orphans_and_counts_unknown_files(tmp_path: Path) -> None
     live = d / f".{'c' * 32}.{os.getpid()}.abcdef.tmp"
     live.write_bytes(b"in flight in this process")
     (d / "README").write_text("not a pack")
-    reopened = PackStore(tmp_path, MiB)
+    reopened = one_batch_packs(tmp_path, MiB)
     assert reopened.orphans_swept == 2 and live.exists() and reopened.unknown_files == 1
     assert reopened.indexed_keys() == [k(1)]
-    assert PackStore(tmp_path, MiB, orphan_grace_s=0).orphans_swept == 1 and not live.exists()
+    assert one_batch_packs(tmp_path, MiB, orphan_grace_s=0).orphans_swept == 1 and not live.exists()
 
 
 def test_tombstones_and_replacements_survive_restarts(tmp_path: Path, clock: FakeClock) -> None:
-    store = PackStore(tmp_path, 64 * MiB, clock=clock)
+    store = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     assert store.put_many([(k(i), payload_for(i)) for i in range(4)]) == [True] * 4
     (first,) = packs(tmp_path)
     assert store.delete(k(0))
     clock.advance(1)
     assert store.put(k(1), b"newer")  # the first pack's k(1) is now dead
     assert len(packs(tmp_path, ".dead")) == 1
-    reopened = PackStore(tmp_path, 64 * MiB, clock=clock)
+    reopened = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     assert not reopened.contains(k(0)) and reopened.get(k(1)) == b"newer"
     assert sorted(reopened.indexed_keys()) == sorted([k(1), k(2), k(3)])
     # Without the tombstones (lost in a crash) the newer pack still wins k(1); k(0) comes back
     # as the complete entry it was.
     for p in packs(tmp_path, ".dead"):
         p.unlink()
-    lost = PackStore(tmp_path, 64 * MiB, clock=clock)
+    lost = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     assert lost.get(k(1)) == b"newer" and lost.get(k(0)) == payload_for(0)
     lost.check_integrity()
     # Every entry of a pack dropped: the pack goes, with its tombstones.
@@ -477,7 +493,7 @@ def test_tombstones_and_replacements_survive_restarts(tmp_path: Path, clock: Fak
 # ---------------------------------------------------------------- capacity, retention, compaction
 def test_capacity_evicts_the_oldest_accessed_pack_first(tmp_path: Path, clock: FakeClock) -> None:
     one = pack_size(1000)
-    store = PackStore(tmp_path, 3 * one, clock=clock)
+    store = one_batch_packs(tmp_path, 3 * one, clock=clock)
     for i in range(3):
         assert store.put(k(i), payload_for(i))
         clock.advance(1)
@@ -495,7 +511,7 @@ def test_capacity_evicts_the_oldest_accessed_pack_first(tmp_path: Path, clock: F
 
 def test_eviction_takes_a_pack_whole(tmp_path: Path, clock: FakeClock) -> None:
     batch = pack_size(*[1000] * 4)
-    store = PackStore(tmp_path, batch + pack_size(1000), clock=clock)
+    store = one_batch_packs(tmp_path, batch + pack_size(1000), clock=clock)
     assert store.put_many([(k(i), payload_for(i)) for i in range(4)]) == [True] * 4
     clock.advance(1)
     assert store.put(k(8), payload_for(8))
@@ -509,7 +525,7 @@ def test_eviction_takes_a_pack_whole(tmp_path: Path, clock: FakeClock) -> None:
 
 
 def test_put_many_fits_what_the_capacity_allows(tmp_path: Path, clock: FakeClock) -> None:
-    store = PackStore(tmp_path, pack_size(1000, 1000, 1000), clock=clock)
+    store = one_batch_packs(tmp_path, pack_size(1000, 1000, 1000), clock=clock)
     assert store.put(k(9), payload_for(9))
     clock.advance(1)
     results = store.put_many([(k(i), payload_for(i)) for i in range(4)])
@@ -521,7 +537,7 @@ def test_put_many_fits_what_the_capacity_allows(tmp_path: Path, clock: FakeClock
 
 
 def test_retention_expiry_and_gc(tmp_path: Path, clock: FakeClock) -> None:
-    store = PackStore(tmp_path, MiB, retention_s=72 * 3600, clock=clock)
+    store = one_batch_packs(tmp_path, MiB, retention_s=72 * 3600, clock=clock)
     assert store.put_many([(k(1), b"old"), (k(2), b"kept")]) == [True, True]
     clock.advance(71 * 3600)
     assert store.get(k(2)) == b"kept"  # a read refreshes the retention of that entry
@@ -536,11 +552,11 @@ def test_retention_expiry_and_gc(tmp_path: Path, clock: FakeClock) -> None:
 
 
 def test_gc_applies_lowered_capacity_after_restart(tmp_path: Path, clock: FakeClock) -> None:
-    store = PackStore(tmp_path, MiB, clock=clock)
+    store = one_batch_packs(tmp_path, MiB, clock=clock)
     for i in range(5):
         assert store.put(k(i), payload_for(i))
         clock.advance(61)
-    small = PackStore(tmp_path, 2 * pack_size(1000), clock=clock)
+    small = one_batch_packs(tmp_path, 2 * pack_size(1000), clock=clock)
     small.check_integrity()  # over capacity at open is allowed until gc
     report = small.gc()
     assert report.evicted == 3 and small.indexed_keys() == [k(3), k(4)]
@@ -548,7 +564,7 @@ def test_gc_applies_lowered_capacity_after_restart(tmp_path: Path, clock: FakeCl
 
 
 def test_gc_compacts_packs_that_are_mostly_dead(tmp_path: Path, clock: FakeClock) -> None:
-    store = PackStore(tmp_path, 64 * MiB, clock=clock)
+    store = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     assert store.put_many([(k(i), payload_for(i, 4000)) for i in range(8)]) == [True] * 8
     assert store.put_many([(k(i), payload_for(i, 4000)) for i in range(10, 14)]) == [True] * 4
     for i in range(6):
@@ -563,14 +579,85 @@ def test_gc_compacts_packs_that_are_mostly_dead(tmp_path: Path, clock: FakeClock
     assert after["packs"] == 2 and all(store.get(k(i)) == payload_for(i, 4000) for i in (6, 7, 11, 12, 13))
     assert store.stats()["bytes_resident"] == pack_size(4000, 4000) + pack_size(4000, 4000, 4000, 4000)
     store.check_integrity()
-    reopened = PackStore(tmp_path, 64 * MiB, clock=clock)
+    reopened = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
     assert sorted(reopened.indexed_keys()) == sorted(k(i) for i in (6, 7, 11, 12, 13))
     assert reopened.verify().bad == []
 
 
+# ---------------------------------------------------------------- batches appended to a pack
+def test_batches_are_appended_to_a_pack_until_it_is_full(tmp_path: Path, clock: FakeClock) -> None:
+    batch = pack_size(5000, 5000, 5000, 5000)
+    store = PackStore(tmp_path, 64 * MiB, clock=clock, pack_bytes=3 * batch)
+    assert store.pack_bytes == 3 * batch and PackStore(tmp_path / "d", 1 << 40).pack_bytes == 64 << 20
+    keys = [k(i) for i in range(20)]
+    for b in range(5):
+        clock.advance(1)
+        assert (
+            store.put_many([(key, payload_for(i, 5000)) for i, key in enumerate(keys) if i // 4 == b])
+            == [True] * 4
+        )
+        store.check_integrity()
+    files = packs(tmp_path)
+    assert sorted(p.stat().st_size for p in files) == [2 * batch, 3 * batch]  # 3 batches, then 2
+    assert store.stats()["packs"] == 2 and store.stats()["bytes_resident"] == 5 * batch
+    assert all(store.get(key) == payload_for(i, 5000) for i, key in enumerate(keys))
+    reopened = PackStore(tmp_path, 64 * MiB, clock=clock, pack_bytes=3 * batch)
+    assert sorted(reopened.indexed_keys()) == sorted(keys) and reopened.verify().ok == 20
+    assert reopened.put(k(99), b"new pack after a restart") and len(packs(tmp_path)) == 3
+    # A key written again in a later batch of the same pack: the later record wins, also after
+    # a restart without the tombstone.
+    assert store.put(k(0), b"again")
+    for p in packs(tmp_path, ".dead"):
+        p.unlink()
+    assert PackStore(tmp_path, 64 * MiB, clock=clock).get(k(0)) == b"again"
+
+
+def test_a_batch_cut_short_by_a_crash_stays_dead_bytes(tmp_path: Path, clock: FakeClock) -> None:
+    batch = pack_size(5000, 5000)
+    store = PackStore(tmp_path, 64 * MiB, clock=clock, pack_bytes=4 * batch)
+    for b in range(2):
+        assert store.put_many(
+            [(k(2 * b), payload_for(2 * b, 5000)), (k(2 * b + 1), payload_for(2 * b + 1, 5000))]
+        )
+    (path,) = packs(tmp_path)
+    with open(path, "ab") as f:  # a third batch whose writer died half way: its head, some records
+        f.write(pack_mod._batch_head(2, batch) + payload_for(9, 3000))
+    reopened = PackStore(tmp_path, 64 * MiB, clock=clock, pack_bytes=4 * batch)
+    assert sorted(reopened.indexed_keys()) == sorted(k(i) for i in range(4))
+    assert all(reopened.get(k(i)) == payload_for(i, 5000) for i in range(4))
+    stats = reopened.stats()
+    assert stats["bytes_resident"] == path.stat().st_size == 2 * batch + PACK_BATCH.size + 3000
+    assert stats["dead_bytes"] == PACK_BATCH.size + 3000  # the cut batch; heads, tables and tails are not dead
+    assert reopened.put(k(5), b"x") and len(packs(tmp_path)) == 2  # the cut pack takes no more batches
+    assert reopened.verify().bad == [] and reopened.stats()["quarantined"] == 0
+    reopened.check_integrity()
+
+
+@pytest.mark.parametrize("fault", ["write_ENOSPC", "fsync_EIO"])
+def test_an_append_that_fails_publishes_nothing_and_cuts_the_pack_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    func, err, when, label = FAULTS[fault]
+    store = PackStore(tmp_path, 64 * MiB, pack_bytes=1 << 20)
+    assert store.put_many([(k(0), payload_for(0)), (k(1), payload_for(1))]) == [True, True]
+    (path,) = packs(tmp_path)
+    size = path.stat().st_size
+    with monkeypatch.context() as m:
+        inject(m, tmp_path, func, err, when)
+        assert store.put_many([(k(2), payload_for(2)), (k(0), b"replacement")]) == [False, False]
+    assert path.stat().st_size == size and store.stats()["errors"] == {label: 2}
+    assert (
+        store.get(k(0)) == payload_for(0) and store.get(k(1)) == payload_for(1) and not store.contains(k(2))
+    )
+    store.check_integrity()
+    assert store.put(k(2), payload_for(2)) and len(packs(tmp_path)) == 2  # a new pack after a failed append
+    reopened = PackStore(tmp_path, 64 * MiB)
+    assert sorted(reopened.indexed_keys()) == sorted([k(0), k(1), k(2)]) and reopened.verify().bad == []
+
+
 # ---------------------------------------------------------------- descriptors and prefetch
 def test_read_descriptors_are_bounded_and_closed(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, 64 * MiB, open_packs=2)
+    store = one_batch_packs(tmp_path, 64 * MiB, open_packs=2)
     for i in range(6):
         assert store.put(k(i), payload_for(i))
     for _ in range(2):
@@ -591,7 +678,7 @@ def test_prefetch_is_only_a_hint(
 ) -> None:
     if not hint:
         monkeypatch.delattr(os, "posix_fadvise", raising=False)
-    store = PackStore(tmp_path, 8 * pack_size(5000), clock=clock)
+    store = one_batch_packs(tmp_path, 8 * pack_size(5000), clock=clock)
     for i in range(8):
         assert store.put(k(i), payload_for(i, 5000))
         clock.advance(1)
@@ -610,7 +697,9 @@ def test_prefetch_is_only_a_hint(
 
 # ---------------------------------------------------------------- concurrency
 def test_concurrent_puts_gets_deletes_and_gc(tmp_path: Path) -> None:
-    store = PackStore(tmp_path, 8 * pack_size(4096, 4096), open_packs=4)
+    # Batches of two appended to packs of up to three: appends, whole-pack evictions, tombstones
+    # and compaction all race.
+    store = PackStore(tmp_path, 8 * pack_size(4096, 4096), open_packs=4, pack_bytes=3 * pack_size(4096, 4096))
     keys = [k(i) for i in range(24)]
     expected = {key: payload_for(i, 4096) for i, key in enumerate(keys)}
     wrong: list[bytes] = []

@@ -99,7 +99,7 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_a_pack_store_through_the_same_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     clock = FakeClock(time.time() - 3 * 3600)  # the batch was written 3 h ago, k(3) now
-    store = PackStore(tmp_path, 1 << 30, clock=clock)
+    store = PackStore(tmp_path, 1 << 30, clock=clock, pack_bytes=0)  # a pack per batch
     assert store.put_many([(k(i), bytes([i]) * 1000) for i in range(3)]) == [True] * 3
     clock.advance(3 * 3600)
     assert store.put(k(3), b"newer")
