@@ -230,23 +230,20 @@ def bench_store(workdir: Path, size: int, n: int, batch: int, write_rounds: int 
                 os.close(fd)
         _fsync_path(file_dir)
 
-    def store_puts() -> None:
-        for key, payload in zip(ks_put, data, strict=True):
-            assert store.put(key, payload)
+    def puts(target: DirectoryStore | PackStore, ks: list[bytes]) -> Callable[[], None]:
+        def run() -> None:
+            for key, payload in zip(ks, data, strict=True):
+                assert target.put(key, payload)
 
-    def store_put_many() -> None:
-        for start in range(0, n, batch):
-            items = list(zip(ks_many[start : start + batch], data[start : start + batch], strict=True))
-            assert all(store.put_many(items))
+        return run
 
-    def pack_puts() -> None:
-        for key, payload in zip(ks_pack_put, data, strict=True):
-            assert pack.put(key, payload)
+    def put_many(target: DirectoryStore | PackStore, ks: list[bytes]) -> Callable[[], None]:
+        def run() -> None:
+            for start in range(0, n, batch):
+                items = list(zip(ks[start : start + batch], data[start : start + batch], strict=True))
+                assert all(target.put_many(items))
 
-    def pack_put_many() -> None:
-        for start in range(0, n, batch):
-            items = list(zip(ks_pack[start : start + batch], data[start : start + batch], strict=True))
-            assert all(pack.put_many(items))
+        return run
 
     def threaded_puts(threads: int = 4) -> None:
         with ThreadPoolExecutor(threads) as pool:
@@ -285,11 +282,11 @@ def bench_store(workdir: Path, size: int, n: int, batch: int, write_rounds: int 
         {
             "(b)": (one_file_writes, lambda: one_file.unlink(missing_ok=True)),
             "(a)": (file_per_chunk_writes, clear_files),
-            "put": (store_puts, forget(store, ks_put)),
-            "many": (store_put_many, forget(store, ks_many)),
+            "put": (puts(store, ks_put), forget(store, ks_put)),
+            "many": (put_many(store, ks_many), forget(store, ks_many)),
             "threads": (threaded_puts, forget(store, ks_threads)),
-            "pack put": (pack_puts, forget(pack, ks_pack_put)),
-            "pack many": (pack_put_many, forget(pack, ks_pack)),
+            "pack put": (puts(pack, ks_pack_put), forget(pack, ks_pack_put)),
+            "pack many": (put_many(pack, ks_pack), forget(pack, ks_pack)),
         },
         rounds=write_rounds,
     )

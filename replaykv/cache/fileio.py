@@ -8,9 +8,20 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 import time
+import zlib
 
-__all__ = ["errname", "fsync_dir", "is_orphan_temp", "pid_alive", "pread_exact", "write_all"]
+__all__ = [
+    "crc_sealed",
+    "errname",
+    "fsync_dir",
+    "is_orphan_temp",
+    "pid_alive",
+    "pread_exact",
+    "seal_crc",
+    "write_all",
+]
 
 
 def errname(exc: OSError) -> str:
@@ -77,3 +88,14 @@ def is_orphan_temp(name: str, ctime: float, grace_s: float) -> bool:
     if time.time() - ctime > grace_s:
         return True
     return pid != os.getpid() and not pid_alive(pid)
+
+
+def seal_crc(packed: bytes) -> bytes:
+    """``packed`` (a struct whose last field is a u32 CRC-32 left 0) with that CRC-32 of every
+    byte before it filled in (little-endian)."""
+    return packed[:-4] + struct.pack("<I", zlib.crc32(packed[:-4]))
+
+
+def crc_sealed(raw: bytes, crc: int) -> bool:
+    """Whether ``crc`` (the u32 read from the last 4 bytes of ``raw``) is the CRC-32 of the rest."""
+    return zlib.crc32(raw[:-4]) == crc

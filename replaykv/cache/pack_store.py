@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from replaykv.cache.fileio import errname, fsync_dir, pread_exact, write_all
+from replaykv.cache.fileio import crc_sealed, errname, fsync_dir, pread_exact, seal_crc, write_all
 from replaykv.cache.keys import KEY_BYTES, key_hex
 from replaykv.cache.store import EntryMeta, GcReport, LocalStore, Payload, VerifyReport
 
@@ -124,10 +124,7 @@ PACK_TAIL = struct.Struct("<8sHHIdII")
 u32 row count, f64 created_at (the pack's publish time: between two packs holding the same key
 the later one wins), u32 CRC-32 of the table, u32 CRC-32 of the tail's bytes [0, 28)."""
 
-_RECORD_CRC_OFFSET = PACK_RECORD.size - 4
 _BATCH_MAGIC = b"RKVPKBAT"
-_BATCH_CRC_OFFSET = PACK_BATCH.size - 4
-_TAIL_CRC_OFFSET = PACK_TAIL.size - 4
 _ZERO_DIGEST = bytes(KEY_BYTES)
 _TOMBSTONE = struct.Struct("<32sQ")  # a dropped record in a pack's .dead file: key, record offset
 _ACCESS_PERSIST_S = 60.0  # a pack's mtime (recency across restarts) is refreshed at most this often
@@ -161,7 +158,7 @@ class PackRecord(NamedTuple):
             self.payload_xxh3_128,
             0,
         )
-        return head[:_RECORD_CRC_OFFSET] + struct.pack("<I", zlib.crc32(head[:_RECORD_CRC_OFFSET]))
+        return seal_crc(head)
 
     @classmethod
     def unpack(cls, raw: bytes) -> PackRecord | str:
@@ -173,7 +170,7 @@ class PackRecord(NamedTuple):
             return "bad_magic"
         if version != PACK_FORMAT_VERSION:
             return "wrong_version"
-        if zlib.crc32(raw[:_RECORD_CRC_OFFSET]) != crc:
+        if not crc_sealed(raw[: PACK_RECORD.size], crc):
             return "bad_header_crc"
         return cls(version, layout, flags, created, length, ns, key, digest)
 
@@ -249,13 +246,13 @@ Row = tuple[bytes, int, int, bytes]  # key, record offset, payload length, paylo
 
 def _batch_head(count: int, length: int) -> bytes:
     head = PACK_BATCH.pack(_BATCH_MAGIC, PACK_FORMAT_VERSION, 0, count, length, 0)
-    return head[:_BATCH_CRC_OFFSET] + struct.pack("<I", zlib.crc32(head[:_BATCH_CRC_OFFSET]))
+    return seal_crc(head)
 
 
 def _table_bytes(rows: Sequence[Row], created_at: float) -> bytes:
     table = b"".join(PACK_TABLE_ROW.pack(*row) for row in rows)
     tail = PACK_TAIL.pack(_TAIL_MAGIC, PACK_FORMAT_VERSION, 0, len(rows), created_at, zlib.crc32(table), 0)
-    return table + tail[:_TAIL_CRC_OFFSET] + struct.pack("<I", zlib.crc32(tail[:_TAIL_CRC_OFFSET]))
+    return table + seal_crc(tail)
 
 
 def batch_overhead(count: int) -> int:
@@ -287,7 +284,7 @@ def _read_batch(fd: int, at: int, file_size: int) -> tuple[float, list[Row], int
         return "bad_batch"
     if version != PACK_FORMAT_VERSION:
         return "wrong_version"
-    if zlib.crc32(head[:_BATCH_CRC_OFFSET]) != crc:
+    if not crc_sealed(head, crc):
         return "bad_batch_crc"
     end = at + length
     if length < batch_overhead(count) or end > file_size:
@@ -298,7 +295,7 @@ def _read_batch(fd: int, at: int, file_size: int) -> tuple[float, list[Row], int
     magic, version, _, tail_count, created, table_crc, crc = PACK_TAIL.unpack(raw)
     if magic != _TAIL_MAGIC:
         return "bad_tail"
-    if zlib.crc32(raw[:_TAIL_CRC_OFFSET]) != crc or tail_count != count:
+    if not crc_sealed(raw, crc) or tail_count != count:
         return "bad_tail_crc"
     table_size = count * PACK_TABLE_ROW.size
     table_at = end - PACK_TAIL.size - table_size

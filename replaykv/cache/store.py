@@ -41,7 +41,6 @@ import secrets
 import struct
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -52,7 +51,15 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
-from replaykv.cache.fileio import errname, fsync_dir, is_orphan_temp, pread_exact, write_all
+from replaykv.cache.fileio import (
+    crc_sealed,
+    errname,
+    fsync_dir,
+    is_orphan_temp,
+    pread_exact,
+    seal_crc,
+    write_all,
+)
 from replaykv.cache.keys import KEY_BYTES, KeyNamespace, key_from_hex, key_hex
 from replaykv.cache.metrics import LabeledCounter, TierMetrics
 
@@ -149,7 +156,7 @@ class EntryHeader(NamedTuple):
             self.payload_xxh3,
             0,
         )
-        return head[:_CRC_OFFSET] + struct.pack("<I", zlib.crc32(head[:_CRC_OFFSET]))
+        return seal_crc(head)
 
     @classmethod
     def unpack(cls, raw: bytes) -> EntryHeader | str:
@@ -166,7 +173,7 @@ class EntryHeader(NamedTuple):
         if not whole:
             return "truncated"
         _, _, layout, flags, created, length, ns, key, digest, payload_xxh3, crc = fields
-        if zlib.crc32(raw[:_CRC_OFFSET]) != crc:
+        if not crc_sealed(raw[: STORE_HEADER.size], crc):
             return "bad_header_crc"
         return cls(version, layout, flags, created, length, ns, key, digest, payload_xxh3)
 

@@ -31,7 +31,7 @@ from replaykv.cache.pack_store import (
 )
 from replaykv.cache.store import EntryMeta, GlobalKVStore
 from tests.cache.conftest import FakeClock, make_namespace
-from tests.cache.test_store import _fd_path, inject, k, payload_for
+from tests.cache.test_store import FAULTS, _fd_path, half_a_write_then_enospc, inject, k, payload_for
 from tests.cache.test_store_crash import REPO
 
 REC = PACK_RECORD.size
@@ -339,14 +339,6 @@ def test_verify_reports_and_quarantines(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- write and read faults
-FAULTS = {
-    "write_ENOSPC": ("write", errno.ENOSPC, lambda p: True, "write:ENOSPC"),
-    "write_EIO": ("write", errno.EIO, lambda p: True, "write:EIO"),
-    "fsync_EIO": ("fsync", errno.EIO, lambda p: not os.path.isdir(p), "fsync:EIO"),
-    "rename_EIO": ("rename", errno.EIO, lambda p: True, "rename:EIO"),
-    "fsync_dir_EIO": ("fsync", errno.EIO, os.path.isdir, "fsync_dir:EIO"),
-    "open_ENOSPC": ("open", errno.ENOSPC, lambda p: p.endswith(".tmp"), "write:ENOSPC"),
-}
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
@@ -374,18 +366,7 @@ def test_write_faults_publish_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = one_batch_packs(tmp_path, 64 * MiB)
-    real_write = os.write
-    calls = {"n": 0}
-
-    def half_then_full(fd: int, data: bytes) -> int:
-        if _fd_path(fd).endswith(".tmp"):
-            calls["n"] += 1
-            if calls["n"] > 1:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real_write(fd, memoryview(data)[: len(data) // 2])
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", half_then_full)
+    monkeypatch.setattr(os, "write", half_a_write_then_enospc())
     assert store.put_many([(k(5), payload_for(5, 50_000)), (k(6), b"z")]) == [False, False]
     monkeypatch.undo()
     assert store.get(k(5)) is None and not packs(tmp_path, "")
@@ -627,7 +608,9 @@ def test_a_batch_cut_short_by_a_crash_stays_dead_bytes(tmp_path: Path, clock: Fa
     assert all(reopened.get(k(i)) == payload_for(i, 5000) for i in range(4))
     stats = reopened.stats()
     assert stats["bytes_resident"] == path.stat().st_size == 2 * batch + PACK_BATCH.size + 3000
-    assert stats["dead_bytes"] == PACK_BATCH.size + 3000  # the cut batch; heads, tables and tails are not dead
+    assert (
+        stats["dead_bytes"] == PACK_BATCH.size + 3000
+    )  # the cut batch; heads, tables and tails are not dead
     assert reopened.put(k(5), b"x") and len(packs(tmp_path)) == 2  # the cut pack takes no more batches
     assert reopened.verify().bad == [] and reopened.stats()["quarantined"] == 0
     reopened.check_integrity()

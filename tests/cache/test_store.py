@@ -301,12 +301,13 @@ def test_write_faults_publish_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     assert store.put(k(1), payload_for(1)) and store.get(k(1)) == payload_for(1)  # recovers
 
 
-def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = DirectoryStore(tmp_path, 64 * MiB)
+def half_a_write_then_enospc() -> Callable[[int, bytes], int]:
+    """An ``os.write`` whose first write to a temp file writes half, and every later one fails
+    with ENOSPC (a disk filling up mid-entry)."""
     real_write = os.write
     calls = {"n": 0}
 
-    def half_then_full(fd: int, data: bytes) -> int:
+    def write(fd: int, data: bytes) -> int:
         if _fd_path(fd).endswith(".tmp"):
             calls["n"] += 1
             if calls["n"] > 1:
@@ -314,7 +315,12 @@ def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             return real_write(fd, memoryview(data)[: len(data) // 2])
         return real_write(fd, data)
 
-    monkeypatch.setattr(os, "write", half_then_full)
+    return write
+
+
+def test_partial_write_then_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path, 64 * MiB)
+    monkeypatch.setattr(os, "write", half_a_write_then_enospc())
     assert store.put(k(5), payload_for(5, 50_000)) is False
     monkeypatch.undo()
     assert store.get(k(5)) is None and not files_under(tmp_path, ".tmp")
