@@ -115,7 +115,7 @@ def test_a_batch_is_one_pack_with_its_table(tmp_path: Path, clock: FakeClock) ->
         rec = PackRecord.unpack(raw[offset : offset + REC])
         assert isinstance(rec, PackRecord)
         assert (rec.key, rec.payload_len, rec.kv_layout_version) == (key, length, 3)
-        assert rec.payload_xxh3_128 == digest == pack_mod._digest(data)
+        assert rec.payload_xxh3 == digest == pack_mod._digest(data)
         assert raw[offset + REC : offset + REC + length] == data
     assert all(store.get(key) == data for key, data in items)
     reopened = one_batch_packs(tmp_path, 64 * MiB, clock=clock)
@@ -159,7 +159,7 @@ def test_header_records_meta(tmp_path: Path) -> None:
     rec = PackRecord.unpack(raw[offset:])
     assert isinstance(rec, PackRecord)
     assert (rec.kv_layout_version, rec.namespace_digest, rec.key) == (7, ns.seed(), key)
-    assert rec.payload_xxh3_128 == pack_mod._digest(b"abc") and raw[offset + REC : offset + REC + 3] == b"abc"
+    assert rec.payload_xxh3 == pack_mod._digest(b"abc") and raw[offset + REC : offset + REC + 3] == b"abc"
 
 
 def test_restart_sees_entries_and_recency(tmp_path: Path, clock: FakeClock) -> None:
@@ -222,7 +222,7 @@ PAYLOAD_DAMAGE: dict[str, Callable[[bytearray, int], None]] = {
 
 
 def _other_digest(raw: bytearray, at: int) -> None:
-    raw[at + 96 : at + 112] = bytes(16)
+    raw[at + 96 : at + 104] = bytes(8)
     raw[at + REC - 4 : at + REC] = struct.pack("<I", zlib.crc32(bytes(raw[at : at + REC - 4])))
 
 
