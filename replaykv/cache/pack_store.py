@@ -27,7 +27,8 @@ its records (:data:`PACK_RECORD` header + payload each), its table (:data:`PACK_
 offset, length and XXH3-64 of each payload) and a tail (:data:`PACK_TAIL`) that covers the
 table with a CRC. The start-up scan walks the batches from the front, reading heads, tails and
 tables only; it stops at the first batch that does not check out (one a crash cut short
-mid-append: its bytes stay dead, and that pack takes no more batches). A read checks the
+mid-append: its bytes stay dead, that pack takes no more batches, and ``stats()["cut_batches"]``
+counts it). A read checks the
 payload against the table's digest (a damaged payload is a miss and is quarantined; the record
 header is not needed to serve it); ``verify`` checks headers and payloads against the tables.
 
@@ -377,6 +378,7 @@ class PackStore(LocalStore[_Entry]):
             min(DEFAULT_PACK_BYTES, capacity_bytes // 16) if pack_bytes is None else max(0, pack_bytes)
         )
         self._append_to: _Pack | None = None  # the pack the next batch may be appended to
+        self.cut_batches = 0  # packs the start-up scan found ending in a batch cut short
         self._write_lock = threading.Lock()  # one batch written at a time
         self._packs_dir = self._data_dir
         self._packs_str = str(self._packs_dir)
@@ -431,6 +433,8 @@ class PackStore(LocalStore[_Entry]):
                 if not self.read_only:
                     self._quarantine_pack_file(item.path, pack_id, table)
                 continue
+            if table.end < st.st_size:
+                self.cut_batches += 1  # a batch a crash cut short mid-append: dead bytes
             scanned.append(_Scanned(item.path, pack_id, st.st_size, st.st_mtime, table))
         # The latest batch wins a key; entries get their pack's mtime; oldest access first.
         owner: dict[bytes, tuple[tuple[float, str, int], _Pack, int, int, int]] = {}
@@ -1097,6 +1101,7 @@ class PackStore(LocalStore[_Entry]):
                 reserved_bytes=self._reserved,
                 fill_ratio=self.metrics.bytes_resident.value / self.capacity_bytes,
                 packs=len(self._packs),
+                cut_batches=self.cut_batches,
                 live_bytes=live,
                 dead_bytes=self.metrics.bytes_resident.value - live,
                 open_packs=len(self._open),

@@ -736,8 +736,19 @@ def slow_fsync(fd):
         print("stalled", flush=True)
         time.sleep(60)
     return real_fsync(fd)
-if stall != "go":
+real_write = os.write
+writes = {"n": 0}
+def slow_write(fd, data):  # an append to a published pack stops after its third write
+    if os.readlink(f"/proc/self/fd/{fd}").endswith(".pack"):
+        writes["n"] += 1
+        if writes["n"] > 3:
+            print("stalled", flush=True)
+            time.sleep(60)
+    return real_write(fd, data)
+if stall in ("data", "dir"):
     os.fsync = slow_fsync
+if stall == "append":
+    os.write = slow_write
 print("ready", flush=True)
 i = start
 while True:
@@ -789,6 +800,12 @@ def test_sigkill_mid_publish_leaves_complete_packs_or_orphans(tmp_path: Path) ->
     assert len(_check_fresh(tmp_path)) == 0
     _run_and_kill(tmp_path, 0, 0.0, stall="dir")  # renamed, not acknowledged: complete all the same
     assert len(_check_fresh(tmp_path)) == 6
+    # A new writer starts a new pack (it appends to none it did not write) and is killed half way
+    # through appending its second batch to it: its first batch is served, the cut one is dead
+    # bytes, found by the scan.
+    _run_and_kill(tmp_path, 60, 0.0, stall="append")
+    store = _check_fresh(tmp_path)
+    assert len(store) == 12 and store.cut_batches == 1 and store.stats()["dead_bytes"] > 0
     rng = random.Random(20261201)
     for r in range(4):  # overlapping ranges: later rounds replace what earlier ones published
         _run_and_kill(tmp_path, start=r * 30, delay_s=rng.uniform(0.05, 0.4), stall="go")
