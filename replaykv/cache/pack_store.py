@@ -747,7 +747,6 @@ class PackStore(LocalStore[_Entry]):
                     extra = os.fstat(fd).st_size - start
                     if extra > 0 and not pack.removed:
                         pack.size += extra
-                        pack.table_bytes += extra
                         self.metrics.bytes_resident.inc(extra)
             return stage, exc
         finally:

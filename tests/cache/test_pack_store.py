@@ -638,6 +638,28 @@ def test_an_append_that_fails_publishes_nothing_and_cuts_the_pack_back(
     assert sorted(reopened.indexed_keys()) == sorted([k(0), k(1), k(2)]) and reopened.verify().bad == []
 
 
+def test_an_append_that_cannot_be_cut_back_leaves_dead_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PackStore(tmp_path, 64 * MiB, pack_bytes=1 << 20)
+    assert store.put_many([(k(0), payload_for(0)), (k(1), payload_for(1))]) == [True, True]
+    (path,) = packs(tmp_path)
+    size = path.stat().st_size
+    with monkeypatch.context() as m:
+        inject(m, tmp_path, "fsync", errno.EIO, lambda p: not os.path.isdir(p))
+        inject(m, tmp_path, "ftruncate", errno.EIO)
+        assert store.put_many([(k(2), payload_for(2))]) == [False]
+    grown = path.stat().st_size - size
+    assert grown == pack_size(1000) and store.stats()["bytes_resident"] == path.stat().st_size
+    assert store.stats()["dead_bytes"] == grown and not store.contains(k(2))
+    store.check_integrity()
+    assert store.put(k(3), b"y") and len(packs(tmp_path)) == 2  # that pack takes no more batches
+    reopened = PackStore(tmp_path, 64 * MiB)
+    # The batch reached the page cache whole, so the scan finds it complete: k(2) is back, a
+    # complete entry whose bytes verify (never acknowledged, never wrong).
+    assert reopened.get(k(2)) == payload_for(2) and reopened.verify().bad == []
+
+
 # ---------------------------------------------------------------- descriptors and prefetch
 def test_read_descriptors_are_bounded_and_closed(tmp_path: Path) -> None:
     store = one_batch_packs(tmp_path, 64 * MiB, open_packs=2)
