@@ -6,12 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import random
-import signal
 import struct
 import subprocess
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +30,7 @@ from replaykv.cache.pack_store import (
 from replaykv.cache.store import EntryMeta, GlobalKVStore
 from tests.cache.conftest import FakeClock, make_namespace
 from tests.cache.test_store import FAULTS, _fd_path, half_a_write_then_enospc, inject, k, payload_for
-from tests.cache.test_store_crash import REPO
+from tests.cache.test_store_crash import kill_writer
 
 REC = PACK_RECORD.size
 ROW = PACK_TABLE_ROW.size
@@ -284,10 +282,6 @@ def _flip_table(raw: bytearray) -> None:
 
 def _zero_pack(raw: bytearray) -> None:
     raw[:] = bytes(len(raw))
-
-
-def _appended(raw: bytearray) -> None:
-    raw += b"junk"
 
 
 PACK_DAMAGE: dict[str, tuple[Callable[[bytearray], None], str]] = {
@@ -783,23 +777,7 @@ while True:
 
 
 def _run_and_kill(root: Path, start: int, delay_s: float, stall: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(root), str(start), stall],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=REPO,
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == b"ready"
-        if stall != "go":
-            assert child.stdout.readline().strip() == b"stalled"
-        time.sleep(delay_s)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    assert child.returncode == -signal.SIGKILL
+    kill_writer(_WRITER, [str(root), str(start), stall], delay_s, None if stall == "go" else b"stalled")
 
 
 def _check_fresh(root: Path) -> PackStore:

@@ -54,24 +54,27 @@ def _key(i: int) -> bytes:
     return hashlib.sha256(b"crash-%d" % i).digest()
 
 
-def _run_and_kill(root: Path, start: int, delay_s: float, stall: bool = False) -> None:
+def kill_writer(script: str, args: list[str], delay_s: float, wait_for: bytes | None = None) -> None:
+    """Run ``script`` in a child (it prints ``ready`` once its store is open), wait for the line
+    ``wait_for`` when given (the child stalled where the test wants it), ``delay_s`` more, then
+    SIGKILL it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(root), str(start), "stall" if stall else "go"],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=REPO,
-    )
+    child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, env=env, cwd=REPO)
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == b"ready"
-        if stall:
-            assert child.stdout.readline().strip() == b"in-fsync"
+        if wait_for is not None:
+            assert child.stdout.readline().strip() == wait_for
         time.sleep(delay_s)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
+
+
+def _run_and_kill(root: Path, start: int, delay_s: float, stall: bool = False) -> None:
+    args = [str(root), str(start), "stall" if stall else "go"]
+    kill_writer(_WRITER, args, delay_s, b"in-fsync" if stall else None)
 
 
 def _check_fresh_store(root: Path, max_i: int) -> DirectoryStore:
