@@ -222,37 +222,38 @@ def plan_prefill(state: CacheState, spec: ModelSpec, flags: ReplayFlags) -> Pref
             segs.append(Segment((0, n_layers), (cut, s_len), s, True, "new"))
         return plan("bounded", segs, cut, None)
     # exact: rebuild the window state the earlier request left at `cut`, then continue as a hit.
-    segs = _exact_rebuild(spec, cut, w, dec, state.decoder_floor)
+    segs = _exact_rebuild(spec, cut, s_len, w, dec, state.decoder_floor)
     segs += _forward(spec, cut, s_len, 0, dec, w, "new", None)
     return plan("exact", segs, cut, None)
 
 
-def _exact_rebuild(spec: ModelSpec, cut: int, w: int, dec: bool, decoder_floor: int | None) -> list[Segment]:
-    """Layer ℓ must produce window keys from k_ℓ on, where the layer after it needs inputs:
-    continuing at `cut` needs the W-1 keys before it in every layer, and each layer's outputs at
-    row i read its keys at [i-W+1, i], so k_ℓ = k_{ℓ+1} - (W-1). With decoder replay the decoder
-    layers are rebuilt as the earlier request ran them: rows [floor, cut) with that floor."""
+def _exact_rebuild(
+    spec: ModelSpec, cut: int, s_len: int, w: int, dec: bool, decoder_floor: int | None
+) -> list[Segment]:
+    """What continuing at `cut` reads of the window state the earlier request left there, rebuilt.
+
+    Each layer's rows at i read its keys at [i-W+1, i], so the layer below must produce inputs
+    from W-1 rows earlier: k_l = k_{l+1} - (W-1), from the top layer that the continuation reads
+    below `cut`. With decoder replay the decoder reads its own window below `cut` only when the
+    follow-up has fewer than W new rows (its rows start at s_len - W); then the decoder layers
+    are rebuilt as the earlier request ran them, rows [floor, cut) with that floor, and the
+    encoder must feed them from `floor`. Otherwise the decoder reads nothing below `cut` and only
+    the encoder's windows are rebuilt.
+    """
     n, split = len(spec.layers), _split(spec)
     segs: list[Segment] = []
+    decoder_reads = dec and split < n and max(0, s_len - w) < cut
     top = split if dec and split < n else n
-    if dec and split < n:
+    if decoder_reads:
         floor = max(0, cut - w) if decoder_floor is None else decoder_floor
-        need = floor  # the first decoder layer reads encoder outputs from `floor`
+        # the first decoder layer reads the top encoder layer's outputs from `floor`
+        starts = [max(0, floor - (w - 1) * (top - i)) for i in range(top)]
     else:
-        floor, need = 0, cut - (w - 1)
-    starts = []
-    for _layer in range(top - 1, -1, -1):
-        k = need - (w - 1) if (dec and split < n) or _layer < top - 1 else need
-        k = max(0, k)
-        starts.append(k)
-        need = k
-    starts.reverse()
-    if not (dec and split < n):
         # the top layer only needs its own keys [cut - W + 1, cut)
         starts = [max(0, cut - (w - 1) * (top - i)) for i in range(top)]
     for layer, k in enumerate(starts):
         segs.append(Segment((layer, layer + 1), (k, cut), k, False, "rebuild"))
-    if dec and split < n:
+    if decoder_reads:
         segs.append(Segment((split, n), (floor, cut), floor, False, "rebuild"))
     return segs
 

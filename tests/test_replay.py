@@ -168,6 +168,33 @@ def test_plans_account_their_work() -> None:
     assert "floor" in bounded.describe()
 
 
+def test_exact_rebuilds_only_what_the_continuation_reads() -> None:
+    """V4.1-Flash schedule: with decoder replay on and at least W new rows the decoder reads no
+    window below the cut, so exact rebuilds the encoder alone, layer l over (W-1)(21-l) rows; with
+    fewer new rows it also rebuilds the decoder's window as the earlier request left it."""
+    from replaykv.model.accounting import ENGINE, kv_ledger
+    from replaykv.model.presets_v41 import v41_flash
+
+    spec = ModelSpec.from_config(v41_flash())
+    w, split, cut = spec.sliding_window, spec.decoder_cut + 1, 32768  # type: ignore[operator]
+    flags = ReplayFlags(swa_miss_strategy="exact")
+    for new in (w, 256):
+        hit = plan_prefill(CacheState(cut + new, cut, (cut,)), spec, ReplayFlags())
+        exact = plan_prefill(CacheState(cut + new, cut, ()), spec, flags)
+        rebuild = [g for g in exact.segments if g.role == "rebuild"]
+        assert [g.layers for g in rebuild] == [(i, i + 1) for i in range(split)]
+        assert [g.tokens for g in rebuild] == [(cut - (w - 1) * (split - i), cut) for i in range(split)]
+        assert exact.work - hit.work == (w - 1) * split * (split + 1) // 2
+        # the capacity model's estimate counts W rows at the top layer, W - 1 more per layer below
+        assert kv_ledger(v41_flash()).exact_replay_work(convention=ENGINE) == exact.work - hit.work + split
+    short = plan_prefill(CacheState(cut + w - 1, cut, ()), spec, flags)
+    decoder = [g for g in short.segments if g.role == "rebuild" and g.layers[0] == split]
+    assert [(g.layers, g.tokens, g.window_floor) for g in decoder] == [
+        ((split, len(spec.layers)), (cut - w, cut), cut - w)
+    ]
+    assert short.segments[0].tokens[0] == cut - w - (w - 1) * split
+
+
 def test_option_guards_name_the_flag() -> None:
     from replaykv.replay import ReplayOptionError, check_engine_options, check_request_options
 
