@@ -134,7 +134,9 @@ class EngineConfig:
         if self.swa_pool_capacity_bytes is not None and self.swa_pool_capacity_bytes <= 0:
             raise ValueError("swa_pool_capacity_bytes must be > 0, or None for 10% of host memory")
         if self.store_format is not None and self.store_format not in STORE_FORMATS:
-            raise ValueError(f"store_format must be one of {STORE_FORMATS} or None; got {self.store_format!r}")
+            raise ValueError(
+                f"store_format must be one of {STORE_FORMATS} or None; got {self.store_format!r}"
+            )
         if self.store_capacity_bytes <= 0:
             raise ValueError(f"store_capacity_bytes must be > 0; got {self.store_capacity_bytes}")
         if self.store_retention_s is not None and self.store_retention_s <= 0:

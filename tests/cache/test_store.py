@@ -777,7 +777,9 @@ def test_reads_survive_short_preads_and_huge_files(tmp_path: Path, monkeypatch: 
     assert store.verify().bad == []
 
 
-def test_an_entry_replaced_by_another_writer_with_another_size_is_read_not_quarantined(tmp_path: Path) -> None:
+def test_an_entry_replaced_by_another_writer_with_another_size_is_read_not_quarantined(
+    tmp_path: Path,
+) -> None:
     writer = DirectoryStore(tmp_path, 64 * MiB)
     assert writer.put(k(1), payload_for(1, 1000))
     reader = DirectoryStore(tmp_path, 64 * MiB)  # its index records the 1,000-byte entry
