@@ -235,6 +235,14 @@ def render_card(
             f"bounded replay probability {p.paths.bounded_prob:g}; answer tokens weigh {p.answer_weight:g}."
         )
     hours = training.get("seconds", 0.0) / 3600
+    medians = training.get("median_step_seconds") or {}
+    typical = sum(p.steps * medians[p.name] for p in recipe.phases if p.name in medians) / 3600
+    steady = (
+        f" (the sum of step times; each phase's median logged step × its steps gives {typical:.2f} h, "
+        "which leaves out steps that ran while the process was stopped or the machine busy)"
+        if medians
+        else ""
+    )
     lines += [
         "",
         "## Training",
@@ -244,7 +252,7 @@ def render_card(
         f"clip {recipe.grad_clip:g}; indexer KL weight {recipe.indexer_loss:g}; aux-loss-free router "
         f"balancing rate {recipe.router_bias_rate:g}.",
         f"- Steps: {training.get('steps')}, tokens: {training.get('tokens', 0):,}, wall time "
-        f"{hours:.2f} h on {training.get('device', '?')} ({training.get('threads', '?')} threads, torch "
+        f"{hours:.2f} h{steady} on {training.get('device', '?')} ({training.get('threads', '?')} threads, torch "
         f"{training.get('torch', '?')}, {training.get('cpu_kernels', '?')} CPU kernels), "
         f"final training loss {training.get('final_loss', float('nan')):.3f}.",
         f"- Reproduce: `{reproduce}`",

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -202,6 +203,27 @@ def _log(out: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def median_step_seconds(out: Path, recipe: Recipe) -> dict[str, float]:
+    """Per phase, the median time of a logged step in OUT/train_log.jsonl (the last record of a
+    step counts: a resumed run logs again the steps it redid). Unlike the sum of step times, it
+    does not count a step that ran while the process was stopped or the machine was busy."""
+    path = out / "train_log.jsonl"
+    if not path.exists():
+        return {}
+    last: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("tokens_per_s"):
+            last[record["step"]] = record
+    phases = {p.name: p for p in recipe.phases}
+    times: dict[str, list[float]] = {}
+    for record in last.values():
+        phase = phases.get(record.get("phase", ""))
+        if phase is not None:
+            times.setdefault(phase.name, []).append(phase.batch * phase.seq_len / record["tokens_per_s"])
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def train(
     recipe: Recipe,
     out: str | Path,
@@ -305,6 +327,7 @@ def train(
             "torch": torch.__version__,
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
             "final_loss": float(np.mean(losses[-20:] or [np.nan])),
+            "median_step_seconds": median_step_seconds(out, recipe),
         }
         export(model, out, recipe, corpus, training, init)
         exported = True
@@ -440,4 +463,5 @@ def evaluate_only(
     )
     training = previous or {k: state.get(k) for k in ("step", "tokens", "seconds")}
     training.setdefault("steps", state.get("step"))
+    training.setdefault("median_step_seconds", median_step_seconds(out, recipe))
     return export(model, out, recipe, corpus, training, init)

@@ -25,7 +25,7 @@ from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import CacheState, plan_prefill
 from replaykv.train import cli, loop
 from replaykv.train.data import MixtureSampler, load_corpus
-from replaykv.train.loop import accumulate_gradients, evaluate_only, train
+from replaykv.train.loop import accumulate_gradients, evaluate_only, median_step_seconds, train
 from replaykv.train.paths import (
     REPLAY_FLAGS,
     CacheGuard,
@@ -131,6 +131,9 @@ def test_export_card_and_cli(tmp_path, corpus) -> None:  # type: ignore[no-untyp
     assert "answer tokens weigh 1." in card
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["training"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    medians = metrics["training"]["median_step_seconds"]
+    assert set(medians) == {p.name for p in recipe.phases} and all(t > 0 for t in medians.values())
+    assert "median logged step × its steps" in card
     assert metrics["tasks"]["passkey"]["full"]["n"] == 1 and "8" in metrics["tasks"]["passkey"]["offsets"]
     model = load_model(tmp_path)
     view = allocate_view(ModelSpec.from_config(model.config), 1, 8)
@@ -348,3 +351,19 @@ def test_mhc_mixes_get_their_own_rate_without_weight_decay() -> None:
             )
     with pytest.raises(ValueError, match="hc_lr_scale"):
         dataclasses.replace(recipe, hc_lr_scale=0.0)
+
+
+def test_median_step_seconds_counts_each_step_once_and_skips_pauses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    recipe = _mini(steps=4)
+    tokens = recipe.phases[0].batch * recipe.phases[0].seq_len
+    log = [
+        {"step": 1, "phase": "base", "tokens_per_s": tokens / 2.0},
+        {"step": 2, "phase": "base", "tokens_per_s": tokens / 50.0},  # redone after a resume
+        {"step": 2, "eval": {"bpb": 3.0}},
+        {"step": 2, "phase": "base", "tokens_per_s": tokens / 3.0},
+        {"step": 3, "phase": "base", "tokens_per_s": tokens / 900.0},  # stopped mid-step
+        {"step": 4, "phase": "base", "tokens_per_s": tokens / 2.5},
+    ]
+    (tmp_path / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    assert median_step_seconds(tmp_path, recipe) == {"base": pytest.approx(2.75)}
+    assert median_step_seconds(tmp_path / "missing", recipe) == {}
