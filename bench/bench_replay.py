@@ -248,8 +248,19 @@ def bench_miss_paths(
     recovering = {name: layer_time(name, True) for name in cases}
     other = {name: layer_time(name, False) for name in cases}
 
+    def diffs(name: str, series: dict[str, list[float]], base: str) -> list[float]:
+        return [t - h for t, h in zip(series[name], series[base], strict=False)]
+
     def paired(name: str, series: dict[str, list[float]], base: str = "hit") -> float:
-        return statistics.median(t - h for t, h in zip(series[name], series[base], strict=False))
+        return statistics.median(diffs(name, series, base))
+
+    def middle(name: str, base: str = "hit") -> str:
+        """The middle half of the rounds' differences (first to third quartile)."""
+        d = diffs(name, times, base)
+        if len(d) < 4:
+            return ""
+        q1, _, q3 = statistics.quantiles(d, n=4)
+        return f" ({q1:.2f}–{q3:.2f})"
 
     median = {name: statistics.median(ts) for name, ts in times.items()}
     rec = {name: paired(name, times) for name in PATHS}
@@ -263,7 +274,8 @@ def bench_miss_paths(
         "interleaved rounds; recovery is the median over rounds of the path's TTFT minus the same "
         'round\'s hit; "its segments" is the median time inside the layer calls of its replay or '
         'rebuild segments, "other layers vs hit" the median difference of the time inside all its '
-        "other layer calls and the hit's (hooks on every layer call). The bound is each path's extra "
+        "other layer calls and the hit's (hooks on every layer call); in brackets, the middle half "
+        "of the rounds' differences (first to third quartile). The bound is each path's extra "
         "layer·tokens priced at what an ordinary prefill charges for them. A layer·token does not "
         "cost the same everywhere (a layer with a lightning indexer, the KV sources and the Reindex "
         "layers, scores a row at position p against every compressed entry before it; a window-only "
@@ -294,8 +306,10 @@ def bench_miss_paths(
         ratio = "—" if b is None or b <= 0 else f"{rec[name] / b:.2f}"
         lines.append(
             f"| {name} | {n} | {len(calls[name])} | {plan.work:,} | {extra:,} | {median[name]:.2f} s "
-            f"| {rec[name]:.2f} s | {sec(seg)} | {sec(rest)} | {extra * per_work:.2f} s "
-            f"| {sec(b) if name != 'hit' else '—'} | {ratio} |"
+            f"| {rec[name]:.2f} s{middle(name) if is_replay else ''} | {sec(seg)} | {sec(rest)} "
+            f"| {extra * per_work:.2f} s "
+            f"| {sec(b) if name != 'hit' else '—'}{middle(f'{name} as ordinary', 'hit, read-only') if is_replay else ''} "
+            f"| {ratio} |"
         )
     exact, bounded = cases["exact"][0], cases["bounded"][0]
     t_exact, t_bounded = rec["exact"], rec["bounded"]
