@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -262,11 +264,38 @@ def bench_miss_paths(
         q1, _, q3 = statistics.quantiles(d, n=4)
         return f" ({q1:.2f}–{q3:.2f})"
 
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    rec = {name: paired(name, times) for name in PATHS}
-    per_work = rec["full"] / max(1, cases["full"][0].work - hit.work)  # s per extra layer·token
+    def interval(stat: Callable[[Sequence[int]], float], n: int) -> str:
+        """A 95% bootstrap interval of `stat` over the rounds (resampled whole, so the pairs stay)."""
+        if n < 4:
+            return ""
+        rng = random.Random(0)
+        vals = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(2000))
+        return f" [{vals[49]:.2f}–{vals[1949]:.2f}]"
+
+    def ratio_of_medians(top: list[float], bottom: list[float]) -> Callable[[Sequence[int]], float]:
+        def stat(idx: Sequence[int]) -> float:
+            b = statistics.median(bottom[i] for i in idx)
+            return statistics.median(top[i] for i in idx) / b if b > 0 else float("nan")
+
+        return stat
+
+    ran = [name for name in PATHS if times[name]]
+    median = {name: statistics.median(ts) for name, ts in times.items() if ts}
+    rec = {name: paired(name, times) for name in ran}
+    # s per extra layer·token of the full path (without it, --long-repeats 0, no uniform rate)
+    per_work = rec["full"] / max(1, cases["full"][0].work - hit.work) if "full" in rec else None
     bound = {name: paired(f"{name} as ordinary", times, "hit, read-only") for name in replays}
-    bound.update({name: (cases[name][0].work - hit.work) * per_work for name in ("truncate", "full")})
+    if per_work is not None:
+        bound.update({name: (cases[name][0].work - hit.work) * per_work for name in ("truncate", "full")})
+    spread = {
+        name: interval(
+            ratio_of_medians(
+                diffs(name, times, "hit"), diffs(f"{name} as ordinary", times, "hit, read-only")
+            ),
+            len(times[name]),
+        )
+        for name in replays
+    }
 
     lines = [
         f"(b) {prefix:,}-token cached prefix + {new} new tokens, decoder replay on (the earlier request's "
@@ -275,7 +304,8 @@ def bench_miss_paths(
         'round\'s hit; "its segments" is the median time inside the layer calls of its replay or '
         'rebuild segments, "other layers vs hit" the median difference of the time inside all its '
         "other layer calls and the hit's (hooks on every layer call); in brackets, the middle half "
-        "of the rounds' differences (first to third quartile). The bound is each path's extra "
+        "of the rounds' differences (first to third quartile), and in square brackets a 95% bootstrap "
+        "interval over the rounds. The bound is each path's extra "
         "layer·tokens priced at what an ordinary prefill charges for them. A layer·token does not "
         "cost the same everywhere (a layer with a lightning indexer, the KV sources and the Reindex "
         "layers, scores a row at position p against every compressed entry before it; a window-only "
@@ -292,7 +322,7 @@ def bench_miss_paths(
         "| other layers vs hit | uniform rate | bound | recovery ÷ bound |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in PATHS:
+    for name in ran:
         plan, _, n = cases[name]
         extra = plan.work - hit.work
         is_replay = name in replays
@@ -303,11 +333,11 @@ def bench_miss_paths(
             return "—" if x is None else f"{x:.2f} s"
 
         b = bound.get(name)
-        ratio = "—" if b is None or b <= 0 else f"{rec[name] / b:.2f}"
+        ratio = "—" if b is None or b <= 0 else f"{rec[name] / b:.2f}{spread.get(name, '')}"
         lines.append(
             f"| {name} | {n} | {len(calls[name])} | {plan.work:,} | {extra:,} | {median[name]:.2f} s "
             f"| {rec[name]:.2f} s{middle(name) if is_replay else ''} | {sec(seg)} | {sec(rest)} "
-            f"| {extra * per_work:.2f} s "
+            f"| {sec(None if per_work is None else extra * per_work)} "
             f"| {sec(b) if name != 'hit' else '—'}{middle(f'{name} as ordinary', 'hit, read-only') if is_replay else ''} "
             f"| {ratio} |"
         )
@@ -320,7 +350,9 @@ def bench_miss_paths(
         f"({spec.decoder_cut + 1} layers × {window}); exact replay "  # type: ignore[operator]
         f"{exact.work - hit.work:,} ({(exact.work - hit.work) / max(1, bounded.work - hit.work):.1f}×). "
         f"Measured recovery: bounded {t_bounded:.2f} s, exact {t_exact:.2f} s "
-        f"({t_exact / t_bounded if t_bounded > 0 else float('nan'):.1f}× cheaper with bounded); in their "
+        f"({t_exact / t_bounded if t_bounded > 0 else float('nan'):.1f}×"
+        f"{interval(ratio_of_medians(diffs('exact', times, 'hit'), diffs('bounded', times, 'hit')), len(times['exact']))} "
+        "cheaper with bounded); in their "
         f"segments {s_bounded:.2f} s and {s_exact:.2f} s ({s_exact / s_bounded if s_bounded > 0 else float('nan'):.1f}×).",
         "",
     ]
@@ -334,7 +366,7 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=32768)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9, help="runs of the hit, bounded and exact")
-    ap.add_argument("--long-repeats", type=int, default=2, help="runs of truncate and full")
+    ap.add_argument("--long-repeats", type=int, default=2, help="runs of truncate and full (0: skip them)")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--write", default="")
