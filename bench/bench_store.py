@@ -264,19 +264,20 @@ def bench_store(workdir: Path, size: int, n: int, batch: int, write_rounds: int 
             with open(path, "rb", buffering=0) as f:
                 xxhash.xxh3_64_intdigest(f.read(size))
 
-    def store_gets() -> None:
-        for key in ks_many:
-            assert store.get(key) is not None
+    def gets(target: DirectoryStore | PackStore, ks: list[bytes]) -> Callable[[], None]:
+        def run() -> None:
+            for key in ks:
+                assert target.get(key) is not None
+
+        return run
+
+    store_gets, pack_gets = gets(store, ks_many), gets(pack, ks_pack)
 
     def store_prefetched_gets() -> None:
         for start in range(0, n, batch):
             store.prefetch(ks_many[start : start + batch])
             for key in ks_many[start : start + batch]:
                 assert store.get(key) is not None
-
-    def pack_gets() -> None:
-        for key in ks_pack:
-            assert pack.get(key) is not None
 
     writes = interleaved(
         {

@@ -241,17 +241,14 @@ def _exact_rebuild(
     the encoder's windows are rebuilt.
     """
     n, split = len(spec.layers), _split(spec)
-    segs: list[Segment] = []
     decoder_reads = dec and split < n and max(0, s_len - w) < cut
     top = split if dec and split < n else n
-    if decoder_reads:
-        floor = max(0, cut - w) if decoder_floor is None else decoder_floor
-        # the first decoder layer reads the top encoder layer's outputs from `floor`
-        starts = [max(0, floor - (w - 1) * (top - i)) for i in range(top)]
-    else:
-        # the top layer only needs its own keys [cut - W + 1, cut)
-        starts = [max(0, cut - (w - 1) * (top - i)) for i in range(top)]
-    for layer, k in enumerate(starts):
+    floor = (max(0, cut - w) if decoder_floor is None else decoder_floor) if decoder_reads else cut
+    # The top rebuilt layer's outputs are read from `floor` (the decoder's floor when the decoder
+    # is rebuilt; else the continuation's own rows from `cut`, reading keys from cut - W + 1).
+    segs = []
+    for layer in range(top):
+        k = max(0, floor - (w - 1) * (top - layer))
         segs.append(Segment((layer, layer + 1), (k, cut), k, False, "rebuild"))
     if decoder_reads:
         segs.append(Segment((split, n), (floor, cut), floor, False, "rebuild"))

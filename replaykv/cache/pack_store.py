@@ -599,7 +599,7 @@ class PackStore(LocalStore[_Entry]):
     def put(
         self, key: bytes, payload: Payload, meta: EntryMeta | None = None, *, raise_on_error: bool = False
     ) -> bool:
-        """Publish ``payload`` under ``key`` (a pack of one entry). ``False`` and the error counted
+        """Publish ``payload`` under ``key`` (a batch of one entry). ``False`` and the error counted
         on any ``OSError``, when the entry alone exceeds the capacity, or in read-only mode;
         ``raise_on_error=True`` re-raises the ``OSError`` instead."""
         return self.put_many([(key, payload)], meta, raise_on_error=raise_on_error)[0]
@@ -611,13 +611,13 @@ class PackStore(LocalStore[_Entry]):
         *,
         raise_on_error: bool = False,
     ) -> list[bool]:
-        """Publish a batch as one pack; ``put``'s result for each entry, in order.
+        """Publish a batch in one piece; ``put``'s result for each entry, in order.
 
         The entries that fit the capacity (in batch order; others ``False`` with
-        ``capacity:ENOSPC`` or ``too_large``) are written to one temp file with the table and
-        tail, fsynced, renamed and their directory fsynced; only then are they indexed and
-        counted as published, and the versions they replace dropped. An I/O error at any stage
-        publishes none of the batch. Keys must be distinct within a batch (``ValueError``).
+        ``capacity:ENOSPC`` or ``too_large``) are written as one batch with its table and tail:
+        appended to the newest pack and fsynced, or as a new pack (temp file, fsync, rename,
+        directory fsync); only then are they indexed and counted as published, and the versions
+        they replace dropped. An I/O error at any stage publishes none of the batch. Keys must be distinct within a batch (``ValueError``).
         ``raise_on_error=True`` raises the ``OSError`` after the batch was settled and counted.
         """
         batch = list(items)
@@ -629,7 +629,7 @@ class PackStore(LocalStore[_Entry]):
             return results
         meta = meta or EntryMeta()
         now = self._clock()
-        overhead = PACK_BATCH.size + PACK_TAIL.size
+        overhead = batch_overhead(0)  # the batch's head and tail
         staged: list[_Staged] = []
         refused: dict[int, str] = {}
         for i, (key, payload) in enumerate(batch):
@@ -1075,18 +1075,15 @@ class PackStore(LocalStore[_Entry]):
         return report
 
     def _quarantine_known_pack(self, pack_id: str, path: str, reason: str) -> None:
+        """Move a pack to ``quarantine/``, then drop its entries (removing the pack from the
+        index, as for any pack left empty; its file is already gone)."""
+        self._quarantine_pack_file(path, pack_id, reason)
         with self._lock:
             pack = self._packs.get(pack_id)
             if pack is not None:
                 for key in list(pack.keys):
-                    self._index.pop(key)
-                    self.metrics.entries.dec()
-                pack.keys.clear()
-                pack.live_bytes = 0
-                self._packs.pop(pack_id, None)
-                self.metrics.bytes_resident.dec(pack.size)
-                self._retire_fd_locked(pack)
-        self._quarantine_pack_file(path, pack_id, reason)
+                    self._drop_locked(key, tombstone=False)
+                self._remove_pack_locked(pack)  # (a no-op unless a batch was being appended)
 
     def stats(self) -> dict[str, object]:
         out = self.metrics.as_dict()

@@ -308,6 +308,24 @@ def test_a_pack_without_a_trusted_table_is_quarantined_whole(tmp_path: Path, nam
     reopened.check_integrity()
 
 
+def test_verify_quarantines_a_pack_whose_table_broke_under_a_live_store(tmp_path: Path) -> None:
+    store = one_batch_packs(tmp_path, 64 * MiB)
+    assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(3)]) == [True] * 3
+    assert store.put(k(9), payload_for(9))
+    path, _ = record_of(store, k(0))
+    assert store.get(k(0)) == payload_for(0, 4096)  # its descriptor is open
+    damage(path, _flip_table)
+    report = store.verify(quarantine=True)
+    assert report.bad == [(path.name, "bad_table")] and report.quarantined == 1
+    assert not any(store.contains(k(i)) for i in range(3)) and store.get(k(9)) == payload_for(9)
+    assert not path.exists() and store.stats()["quarantine_reasons"] == {"bad_table": 1}
+    (quarantined,) = list((tmp_path / "quarantine").iterdir())
+    assert ".bad_table." in quarantined.name and quarantined.name.endswith(".pack")
+    assert store.stats()["packs"] == 1 and store.stats()["open_packs"] <= 1
+    store.check_integrity()
+    assert store.put(k(0), payload_for(0)) and store.get(k(0)) == payload_for(0)
+
+
 def test_damage_under_a_live_store_is_caught_by_the_read(tmp_path: Path) -> None:
     store = one_batch_packs(tmp_path, 64 * MiB)
     assert store.put_many([(k(i), payload_for(i, 4096)) for i in range(2)]) == [True, True]
