@@ -207,19 +207,42 @@ def causal_entry_limit(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     return torch.div(positions + 1, ratio, rounding_mode="floor")
 
 
-def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last axis, ties broken by the lower index.
+def _nudged(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Scores widened to float64 and nudged down by a relative index * 2^-50 (zeros by
+    index * 2^-1000, infinities kept): equal scores order by index, and distinct float32 values
+    keep their order (they differ by at least 2^-24 relative; the nudge stays below 2^-30 for
+    N < 2^20)."""
+    s64, i64 = scores.double(), index.double()
+    nudged = torch.where(s64 == 0, -i64 * 2.0**-1000, s64 - s64.abs() * (i64 * 2.0**-50))
+    return torch.where(torch.isinf(s64), s64, nudged)  # inf * 0 would be NaN
 
-    scores: [..., N] float32 (or narrower); returns [..., k] long. Each score is widened to
-    float64 and nudged down by a relative index * 2^-50 (zeros by index * 2^-1000), which
-    orders equal scores by index and never reorders distinct float32 values (they differ by
-    at least 2^-24 relative; the nudge stays below 2^-30 for N < 2^20).
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last axis, ties broken by the lower index, in
+    that order (score descending, then index ascending; NaN ranks above every number). With
+    k >= N every index, in top-k's order.
+
+    scores: [..., N] float32 (or narrower); returns [..., k] long. One top-(k+1) pass finds a
+    row's k-th best score t. When the next score is strictly below t the k found are the set;
+    on a tie across the edge of the set it is every score above t and the lowest-indexed of
+    those equal to t; a row holding NaN is ranked whole. The k chosen are ordered by `_nudged`.
     """
     n = scores.shape[-1]
     if k == 0 or k >= n:
         return torch.topk(scores, min(k, n), dim=-1).indices
-    s64 = scores.double()
-    idx = torch.arange(n, device=scores.device, dtype=torch.float64)
-    nudged = torch.where(s64 == 0, -idx * 2.0**-1000, s64 - s64.abs() * (idx * 2.0**-50))
-    nudged = torch.where(torch.isinf(s64), s64, nudged)  # inf * 0 would be NaN
-    return torch.topk(nudged, k, dim=-1).indices
+    vals, idx = torch.topk(scores, k + 1, dim=-1)
+    nan = torch.isnan(vals[..., 0]).reshape(-1)  # top-k ranks NaN first
+    tied = ~(vals[..., k - 1] > vals[..., k]).reshape(-1) & ~nan
+    vals, idx = vals[..., :k].contiguous(), idx[..., :k].contiguous()
+    if bool(tied.any()) or bool(nan.any()):
+        rows, v, i = scores.reshape(-1, n), vals.view(-1, k), idx.view(-1, k)
+        at = tied.nonzero().squeeze(1)
+        sub, edge = rows[at], v[at, k - 1 :]
+        above, level = sub > edge, sub == edge
+        room = k - above.sum(-1, keepdim=True)  # how many of the tied fit, lowest index first
+        i[at] = (above | (level & (level.cumsum(-1) <= room))).nonzero()[:, 1].view(-1, k)
+        at = nan.nonzero().squeeze(1)
+        whole = torch.arange(n, device=scores.device).expand(len(at), n)
+        i[at] = torch.topk(_nudged(rows[at], whole), k, dim=-1).indices
+        v[:] = rows.gather(-1, i)
+    return idx.gather(-1, _nudged(vals, idx).argsort(dim=-1, descending=True))
