@@ -1,6 +1,12 @@
 """Replay paths measured side by side on a DeepSeek-V4.1-shaped model (the released 20 + 20
 layer schedule, reduced widths, 128-token window), one process.
 
+`--widths reduced` (hidden 128, 6.7M parameters) keeps every run short; `--widths wide` (hidden
+512, attention 4 × 128, experts 8 × 512) makes a 128-row layer call mostly arithmetic: at hidden
+128 such a call costs about 2 ms of arithmetic beside about 2.5 ms of fixed per-call work (a
+one-token step over all 40 layers takes 0.1 s), so bounded replay's 128-row calls cost more per
+row than exact replay's thousand-row ones, which the released widths do not do.
+
 (a) Decoder replay: prefill throughput of a batch of prompts with decoder replay on versus off
     (layer-token bound: full work / trimmed work).
 (b) A cached prefix + new tokens with the SWA snapshot missing: time to first token of every
@@ -10,7 +16,8 @@ layer schedule, reduced widths, 128-token window), one process.
     one call, measured beside it; recomputes at the full path's rate).
 
     python bench/bench_replay.py [--prompts 8 --tokens 8192] [--prefix 32768 --new 256]
-        [--repeats 9 --long-repeats 2] [--skip-a] [--skip-b] [--write docs/benchmarks.md]
+        [--repeats 9 --long-repeats 2] [--widths reduced|wide] [--skip-a] [--skip-b]
+        [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -40,20 +47,34 @@ from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import CacheState, PrefillPlan, ReplayFlags, Segment, plan_prefill
 
-MARK_BEGIN = "<!-- bench_replay:begin -->"
-MARK_END = "<!-- bench_replay:end -->"
+WIDTHS = ("reduced", "wide")
 
 
-def bench_config():  # type: ignore[no-untyped-def]
+def marks(widths: str) -> tuple[str, str]:
+    """The docs section markers of a run at `widths` (the reduced run keeps the plain name)."""
+    name = "bench_replay" if widths == "reduced" else f"bench_replay:{widths}"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def bench_config(widths: str = "reduced"):  # type: ignore[no-untyped-def]
     """The released V4.1-Flash schedule (40 layers: 2 window-only, 18 ratio-2, 20 ratio-1; sources
-    2/8/14/20; Reindex 24/28/32/36; candidate source 20) at reduced widths."""
-    return v41_flash().replace(
+    2/8/14/20; Reindex 24/28/32/36; candidate source 20) at reduced widths; `wide` widens the
+    attention and the experts (the indexers stay 2 heads × 32)."""
+    config = v41_flash().replace(
         vocab_size=512, hidden_size=128, num_attention_heads=2, head_dim=64, q_lora_rank=64,
         qk_rope_head_dim=16, o_groups=1, o_lora_rank=32, index_n_heads=2, index_head_dim=32,
         index_topk=64, candidate_topk_blocks=64, candidate_block_size=8, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=64, hc_mult=2, rms_norm_eps=1e-6,
         max_position_embeddings=262144,
     )  # fmt: skip
+    if widths == "wide":
+        config = config.replace(
+            hidden_size=512, num_attention_heads=4, head_dim=128, q_lora_rank=256, o_groups=2,
+            o_lora_rank=128, n_routed_experts=8, moe_intermediate_size=512,
+        )  # fmt: skip
+    elif widths != "reduced":
+        raise ValueError(f"unknown widths {widths!r}; choose one of {WIDTHS}")
+    return config
 
 
 def clone_view(view: CacheView) -> CacheView:
@@ -144,12 +165,13 @@ class LayerClock:
 
 def layer_calls(plan: PrefillPlan) -> list[tuple[int, int, bool]]:
     """(layer, rows, recovery) of every layer call `plan` makes, in execution order; recovery:
-    the call belongs to a replay or rebuild segment (rows below the cached prefix)."""
+    the call runs only rows below the cached prefix, read-only (exact's rebuild; bounded
+    replay's rows ride in the new rows' calls, so it has none)."""
     calls = []
-    for seg in plan.segments:
-        t0, t1 = seg.tokens
-        if t1 > t0:
-            calls += [(layer, t1 - t0, seg.role in ("replay", "rebuild")) for layer in range(*seg.layers)]
+    for call in plan.calls:
+        t0, t1 = call.tokens
+        recovery = call.global_from == t1 <= plan.use_global
+        calls += [(layer, t1 - t0, recovery) for layer in range(*call.layers)]
     return calls
 
 
@@ -301,9 +323,10 @@ def bench_miss_paths(
         f"(b) {prefix:,}-token cached prefix + {new} new tokens, decoder replay on (the earlier request's "
         f"prefill took {t_prefix:.1f} s). TTFT is the median of the runs shown. The cases run in "
         "interleaved rounds; recovery is the median over rounds of the path's TTFT minus the same "
-        'round\'s hit; "its segments" is the median time inside the layer calls of its replay or '
-        'rebuild segments, "other layers vs hit" the median difference of the time inside all its '
-        "other layer calls and the hit's (hooks on every layer call); in brackets, the middle half "
+        'round\'s hit; "its segments" is the median time inside the layer calls of its rebuild '
+        "segments (bounded replay's replayed rows run in the same call as the new rows, one call "
+        'per layer range, so it has none), "other layers vs hit" the median difference of the time '
+        "inside all its other layer calls and the hit's (hooks on every layer call); in brackets, the middle half "
         "of the rounds' differences (first to third quartile), and in square brackets a 95% bootstrap "
         "interval over the rounds. The bound is each path's extra "
         "layer·tokens priced at what an ordinary prefill charges for them. A layer·token does not "
@@ -326,7 +349,8 @@ def bench_miss_paths(
         plan, _, n = cases[name]
         extra = plan.work - hit.work
         is_replay = name in replays
-        seg = statistics.median(recovering[name]) if is_replay else None
+        has_own = any(rc for *_, rc in calls[name])
+        seg = statistics.median(recovering[name]) if is_replay and has_own else None
         rest = paired(name, other) if is_replay else None
 
         def sec(x: float | None) -> str:
@@ -343,7 +367,7 @@ def bench_miss_paths(
         )
     exact, bounded = cases["exact"][0], cases["bounded"][0]
     t_exact, t_bounded = rec["exact"], rec["bounded"]
-    s_exact, s_bounded = statistics.median(recovering["exact"]), statistics.median(recovering["bounded"])
+    s_exact = statistics.median(recovering["exact"])
     lines += [
         "",
         f"Encoder bounded replay adds {bounded.work - hit.work:,} layer·tokens "
@@ -352,8 +376,8 @@ def bench_miss_paths(
         f"Measured recovery: bounded {t_bounded:.2f} s, exact {t_exact:.2f} s "
         f"({t_exact / t_bounded if t_bounded > 0 else float('nan'):.1f}×"
         f"{interval(ratio_of_medians(diffs('exact', times, 'hit'), diffs('bounded', times, 'hit')), len(times['exact']))} "
-        "cheaper with bounded); in their "
-        f"segments {s_bounded:.2f} s and {s_exact:.2f} s ({s_exact / s_bounded if s_bounded > 0 else float('nan'):.1f}×).",
+        f"cheaper with bounded); exact's rebuild segments take {s_exact:.2f} s, bounded replay's rows "
+        "run inside the new rows' calls.",
         "",
     ]
     return lines
@@ -367,18 +391,22 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9, help="runs of the hit, bounded and exact")
     ap.add_argument("--long-repeats", type=int, default=2, help="runs of truncate and full (0: skip them)")
+    ap.add_argument("--widths", choices=WIDTHS, default="reduced")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--write", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(bench_config())
+    config = bench_config(args.widths)
+    model = DeepseekV41ForCausalLM(config)
     init_weights(model, seed=0).eval()
     n_params = sum(p.numel() for p in model.parameters())
+    begin, end = marks(args.widths)
     lines = [
-        MARK_BEGIN,
+        begin,
         "",
-        f"DeepSeek-V4.1 schedule at reduced widths ({n_params / 1e6:.1f}M parameters, window 128, KV "
+        f"DeepSeek-V4.1 schedule at {args.widths} widths (hidden {config.hidden_size}, "
+        f"{n_params / 1e6:.1f}M parameters, window 128, KV "
         f"quantisers on), float32, {torch.get_num_threads()} torch thread(s) on {os.cpu_count()} CPU cores, "
         "one process.",
         "",
@@ -388,12 +416,12 @@ def main() -> int:
         print("\n".join(lines), flush=True)
     if not args.skip_b:
         lines += bench_miss_paths(model, args.prefix, args.new, args.repeats, args.long_repeats)
-    lines.append(MARK_END)
+    lines.append(end)
     table = "\n".join(lines)
     print(table)
     if args.write:
-        heading = "## SWA bounded replay\n\n`python bench/bench_replay.py --write docs/benchmarks.md`"
-        replace_section(args.write, table, MARK_BEGIN, MARK_END, heading)
+        heading = f"## SWA bounded replay, {args.widths} widths\n\n`python bench/bench_replay.py --widths {args.widths}`"
+        replace_section(args.write, table, begin, end, heading)
     return 0
 
 

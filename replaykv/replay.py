@@ -94,6 +94,42 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Call:
+    """One model call of a plan: layers over tokens with one window floor; tokens from
+    `global_from` on write global KV (tokens[1]: none do), the ones before it read it cached."""
+
+    layers: tuple[int, int]
+    tokens: tuple[int, int]
+    window_floor: int
+    global_from: int
+
+
+def plan_calls(segments: tuple[Segment, ...]) -> tuple[Call, ...]:
+    """The calls that run `segments`: one per segment, except that a read-only segment followed
+    by a writing one over the same layers, the same window floor and the tokens right after it
+    (bounded replay's replayed rows and the new rows on top) is one call, so a layer runs the
+    replayed rows in the same matrix products as the new ones. The rows compute what the two
+    segments would: the new rows read the replayed rows' window entries either way."""
+    calls: list[Call] = []
+    for seg in segments:
+        if seg.tokens[1] <= seg.tokens[0]:
+            continue
+        last = calls[-1] if calls else None
+        if (
+            seg.write_global
+            and last is not None
+            and last.global_from == last.tokens[1]
+            and (last.layers, last.tokens[1], last.window_floor)
+            == (seg.layers, seg.tokens[0], seg.window_floor)
+        ):
+            calls[-1] = Call(seg.layers, (last.tokens[0], seg.tokens[1]), seg.window_floor, seg.tokens[0])
+            continue
+        t0, t1 = seg.tokens
+        calls.append(Call(seg.layers, seg.tokens, seg.window_floor, t0 if seg.write_global else t1))
+    return tuple(calls)
+
+
+@dataclass(frozen=True)
 class PrefillPlan:
     """Segments in execution order plus what they mean.
 
@@ -115,6 +151,11 @@ class PrefillPlan:
     @property
     def work(self) -> int:
         return sum(seg.work for seg in self.segments)
+
+    @property
+    def calls(self) -> tuple[Call, ...]:
+        """The model calls that run the plan (see `plan_calls`)."""
+        return plan_calls(self.segments)
 
     @property
     def replayed_tokens(self) -> int:

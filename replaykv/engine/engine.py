@@ -18,11 +18,12 @@ occupy rows ``[0, n_decode)`` so one decode forward runs on the contiguous slice
 A request whose prefill ends moves to row ``n_decode`` (swapping rows when another prefill sits
 there); a finishing decode row is filled by the last decode row. Moves copy the row's caches.
 
-Chunked prefill. A plan's segments run in order; a segment is cut along its tokens into pieces
-of at most the budget left in the step (a later piece of a layer range reads the window ring and
-compressor carry the earlier piece left). A segment starting above layer 0 (decoder replay) takes
-its input rows from the outputs kept from earlier pieces, so only the rows a later segment (or
-the logits row) needs are kept. The prefill of a request: lookup -> load -> plan -> pieces ->
+Chunked prefill. A plan's calls (its segments; bounded replay's replayed and new rows as one,
+see ``PrefillPlan.calls``) run in order; a call is cut along its tokens into pieces of at most
+the budget left in the step (a later piece of a layer range reads the window ring and
+compressor carry the earlier piece left). A call starting above layer 0 (decoder replay) takes
+its input rows from the outputs kept from earlier pieces, so only the rows a later call (or the
+logits row) needs are kept. The prefill of a request: lookup -> load -> plan -> pieces ->
 logits of the last prompt row -> first token; the row's state is committed (background
 write-back) at the end of the prefill and at the end of the generation.
 
@@ -287,7 +288,7 @@ class _Waiting:
 
 @dataclass
 class _Active:
-    """A request holding a row: prefilling (segment cursor + kept pieces) or decoding."""
+    """A request holding a row: prefilling (call cursor + kept pieces) or decoding."""
 
     request: Request
     handle: EngineHandle
@@ -298,7 +299,7 @@ class _Active:
     accounting: Accounting
     sampler: Sampler
     output: OutputStream
-    seg: int = 0
+    at_call: int = 0
     cursor: int = 0
     pieces: list[_Piece] = field(default_factory=list)
     decoding: bool = False
@@ -307,14 +308,14 @@ class _Active:
 
     @property
     def prefill_done(self) -> bool:
-        return self.seg >= len(self.plan.segments)
+        return self.at_call >= len(self.plan.calls)
 
     def skip_empty(self) -> None:
-        segs = self.plan.segments
-        while self.seg < len(segs) and segs[self.seg].tokens[1] <= segs[self.seg].tokens[0]:
-            self.seg += 1
-        if self.seg < len(segs):
-            self.cursor = segs[self.seg].tokens[0]
+        calls = self.plan.calls
+        while self.at_call < len(calls) and calls[self.at_call].tokens[1] <= calls[self.at_call].tokens[0]:
+            self.at_call += 1
+        if self.at_call < len(calls):
+            self.cursor = calls[self.at_call].tokens[0]
 
 
 class _Metrics:
@@ -706,32 +707,32 @@ class Engine(EngineAPI):
             self.metrics.prefill_seconds += time.perf_counter() - t0
 
     def _run_piece(self, r: _Active, budget: int) -> int:
-        """Run the next piece of the current segment (at most ``budget`` rows); returns its rows."""
-        seg = r.plan.segments[r.seg]
+        """Run the next piece of the current call (at most ``budget`` rows); returns its rows."""
+        call = r.plan.calls[r.at_call]
         t0 = r.cursor
-        t1 = min(seg.tokens[1], t0 + budget)
-        a, b = seg.layers
+        t1 = min(call.tokens[1], t0 + budget)
+        a, b = call.layers
         view = self._row_views[r.row]
         if a == 0:
             state, selection = self.model.embed(r.ids[:, t0:t1]), Selection()
         else:
             state, selection = _gather(r.pieces, a, t0, t1)
         view.positions.fill_(t0)
-        view.window_floor = torch.full_like(view.positions, seg.window_floor)
-        step = self.model.step(view, t1 - t0, write_global=seg.write_global)
+        view.window_floor = torch.full_like(view.positions, call.window_floor)
+        step = self.model.step(view, t1 - t0, call.global_from < t1, max(0, call.global_from - t0))
         out = self.model.run_layers(state, range(a, b), step, view, selection)
         self._keep(r, b, t0, t1, out, selection)
         r.cursor = t1
-        if t1 >= seg.tokens[1]:
-            r.seg += 1
+        if t1 >= call.tokens[1]:
+            r.at_call += 1
             r.skip_empty()
         self.metrics.prefill_tokens.inc(t1 - t0)
         return t1 - t0
 
     def _keep(self, r: _Active, layer: int, t0: int, t1: int, out: Residual, selection: Selection) -> None:
-        """Keep the rows of a piece that a later segment starting at ``layer`` (or the logits) reads."""
+        """Keep the rows of a piece that a later call starting at ``layer`` (or the logits) reads."""
         s_len = r.plan.tokens
-        need = [seg.tokens for seg in r.plan.segments[r.seg + 1 :] if seg.layers[0] == layer]
+        need = [call.tokens for call in r.plan.calls[r.at_call + 1 :] if call.layers[0] == layer]
         if layer == len(self.spec.layers):
             need.append((s_len - 1, s_len))
         if not need:

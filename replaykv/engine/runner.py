@@ -1,9 +1,10 @@
 """Executing a prefill plan: segments over a cache view, one request row at a time.
 
-Each segment runs a layer range over a token range with its window floor; a segment that
-starts above layer 0 takes its input rows from the outputs of earlier segments that ended at
-that layer (possibly two adjacent pieces, e.g. replayed and new rows feeding decoder replay),
-together with the top-k selection those rows had. Not for: choosing the plan (see
+The plan runs as its calls (`PrefillPlan.calls`: its segments, bounded replay's replayed and
+new rows in one call per layer range). Each runs a layer range over a token range with its
+window floor; a call that starts above layer 0 takes its input rows from the outputs of earlier
+calls that ended at that layer (possibly two adjacent pieces, e.g. exact replay's rebuilt and
+new rows feeding decoder replay), together with the top-k selection those rows had. Not for: choosing the plan (see
 :mod:`replaykv.replay`) or scheduling several requests.
 """
 
@@ -85,18 +86,15 @@ def execute(model: SplitModel, plan: PrefillPlan, input_ids: torch.Tensor, view:
     pieces: list[_Piece] = []
     n_layers = len(view.layers)
     with torch.inference_mode():
-        for seg in plan.segments:
-            a, b = seg.layers
-            t0, t1 = seg.tokens
-            if t1 <= t0:
-                continue
+        for call in plan.calls:
+            (a, b), (t0, t1) = call.layers, call.tokens
             if a == 0:
                 state, selection = model.embed(input_ids[:, t0:t1]), Selection()
             else:
                 state, selection = _gather(pieces, a, t0, t1)
             view.positions.fill_(t0)
-            view.window_floor = torch.full_like(view.positions, seg.window_floor)
-            step = model.step(view, t1 - t0, write_global=seg.write_global)
+            view.window_floor = torch.full_like(view.positions, call.window_floor)
+            step = model.step(view, t1 - t0, call.global_from < t1, call.global_from - t0)
             out = model.run_layers(state, range(a, b), step, view, selection)
             pieces.append(_Piece(b, t0, t1, out, selection))
         r0, r1 = plan.logits_rows

@@ -275,14 +275,17 @@ class Attention(nn.Module):
         entries = selection = None
         if self.compressor is not None:
             assert cache.entries is not None
-            if step.write_global:
-                self.compress(self.compressor, x, step, cache, index=False)
+            writing = step.global_rows()
+            if writing is not None:
+                self.compress(self.compressor, x[:, step.global_from :], writing, cache, index=False)
             n = max((p + s) // self.ratio for p in step.start_host)
             entries = cast(cache.entries[:, :n], q.dtype)
             if self.indexer is not None:
                 assert cache.index_keys is not None
-                if step.write_global:
-                    self.compress(self.indexer.key_compressor, x, step, cache, index=True)
+                if writing is not None:
+                    self.compress(
+                        self.indexer.key_compressor, x[:, step.global_from :], writing, cache, index=True
+                    )
                 selection = self.indexer.select(x, q_res, cache.index_keys[:, :n], step, self.rope_kind)
 
         o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)

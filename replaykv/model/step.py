@@ -42,6 +42,12 @@ class RopeTables:
         """Tables at arbitrary positions [...] -> [..., rope_dim]."""
         return rope_table(self.freqs[kind], positions)
 
+    def tail(self, offset: int) -> RopeTables:
+        """The tables of the call's rows [offset, S)."""
+        rows = {kind: (c[:, offset:], s[:, offset:]) for kind, (c, s) in self.rows.items()}
+        per_head = {kind: (c[:, offset:], s[:, offset:]) for kind, (c, s) in self.per_head.items()}
+        return RopeTables(self.freqs, rows, per_head)
+
 
 def build_step(
     positions_start: torch.Tensor,
@@ -49,8 +55,10 @@ def build_step(
     seq: int,
     freqs: dict[str, torch.Tensor],
     write_global: bool,
+    global_from: int = 0,
 ) -> Step:
-    """The Step of a call adding `seq` tokens to rows starting at `positions_start` [B]."""
+    """The Step of a call adding `seq` tokens to rows starting at `positions_start` [B]; with
+    write_global, rows [global_from, seq) of the call write global KV (see `Step.global_rows`)."""
     positions = positions_start[:, None] + torch.arange(seq, device=positions_start.device)
     return Step(
         positions=positions,
@@ -60,6 +68,7 @@ def build_step(
         floors_host=tuple(floors.tolist()),
         rope=RopeTables.build(freqs, positions),
         write_global=write_global,
+        global_from=global_from,
     )
 
 
@@ -76,6 +85,25 @@ class Step:
     # False while replaying rows whose global KV is already cached: sources then neither pool
     # nor write compressed entries, index keys or compressor carry (they only read them).
     write_global: bool = True
+    # With write_global, the first row of the call that writes global KV: rows before it are
+    # replayed rows riding in the same call as the new rows after them (read-only, as above).
+    global_from: int = 0
+
+    def global_rows(self) -> Step | None:
+        """The Step of the rows that write global KV ([global_from, S)), or None when none do."""
+        g = self.global_from
+        if not self.write_global or g >= self.seq:
+            return None
+        if g == 0:
+            return self
+        return Step(
+            positions=self.positions[:, g:],
+            start=self.start + g,
+            start_host=tuple(p + g for p in self.start_host),
+            floors=self.floors,
+            floors_host=self.floors_host,
+            rope=self.rope.tail(g),
+        )
 
     @property
     def batch(self) -> int:
@@ -154,7 +182,7 @@ class SplitModel(Protocol):
 
     config: Any
 
-    def step(self, cache: Any, seq: int, write_global: bool = True) -> Step: ...
+    def step(self, cache: Any, seq: int, write_global: bool = True, global_from: int = 0) -> Step: ...
 
     def embed(self, input_ids: torch.Tensor) -> Residual: ...
 

@@ -67,8 +67,9 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
-    def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
-        """Positions and RoPE tables of a call adding `seq` tokens to every row of the view."""
+    def step(self, cache: CacheView, seq: int, write_global: bool = True, global_from: int = 0) -> Step:
+        """Positions and RoPE tables of a call adding `seq` tokens to every row of the view (rows
+        from `global_from` on write global KV when `write_global`)."""
         c = self.config
         dev = cache.positions.device
         key = (str(dev), c.qk_rope_head_dim)
@@ -78,7 +79,7 @@ class DeepseekV4Model(nn.Module):
                 "compress": inv_freq(c.rope_compress, c.qk_rope_head_dim, dev),
             }
             self._freqs_key = key
-        return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global)
+        return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global, global_from)
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView) -> torch.Tensor:
         """input_ids [B, S] -> final hidden states [B, S, hidden]."""
@@ -103,8 +104,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
     # The forward split for replay (same calls as DeepSeek-V4.1; V4 has no lagged pre-mix).
-    def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
-        return self.model.step(cache, seq, write_global)
+    def step(self, cache: CacheView, seq: int, write_global: bool = True, global_from: int = 0) -> Step:
+        return self.model.step(cache, seq, write_global, global_from)
 
     def embed(self, input_ids: torch.Tensor) -> Residual:
         x = self.model.embed_tokens(input_ids)

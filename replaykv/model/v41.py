@@ -197,8 +197,9 @@ class AttentionV41(nn.Module):
         entries = chosen = None
         if self.ratio:
             assert cache.entries is not None and cache.index_keys is not None
-            if self.compressor is not None and step.write_global:
-                self._compress(x, step, cache)
+            writing = step.global_rows()
+            if self.compressor is not None and writing is not None:
+                self._compress(x[:, step.global_from :], writing, cache)
             n = max((p + s) // self.ratio for p in step.start_host)
             if self.indexer is not None:
                 self.indexer.select(x, q_res, cache.index_keys[:, :n], step, selection)
@@ -272,8 +273,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._freqs_device: torch.device | None = None
 
     # ------------------------------------------------------------------ pieces of a forward
-    def step(self, cache: CacheView, seq: int, write_global: bool = True) -> Step:
-        """Positions and RoPE of a call adding `seq` tokens to every row of the view."""
+    def step(self, cache: CacheView, seq: int, write_global: bool = True, global_from: int = 0) -> Step:
+        """Positions and RoPE of a call adding `seq` tokens to every row of the view (rows from
+        `global_from` on write global KV when `write_global`)."""
         dev = cache.positions.device
         if self._freqs_device != dev:
             c, rd = self.config, self.config.qk_rope_head_dim
@@ -283,7 +285,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "compress": inv_freq(c.rope_compress, rd, dev),
             }
             self._freqs_device = dev
-        return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global)
+        return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global, global_from)
 
     def embed(self, input_ids: torch.Tensor) -> Residual:
         """input_ids [B, S] -> the residual entering layer 0 (stream 0 selected by the pre-mix)."""
