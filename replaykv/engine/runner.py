@@ -1,11 +1,11 @@
-"""Executing a prefill plan: segments over a cache view, one request row at a time.
+"""Executing a prefill plan over a cache view, one request row at a time.
 
 The plan runs as its calls (`PrefillPlan.calls`: its segments, bounded replay's replayed and
 new rows in one call per layer range). Each runs a layer range over a token range with its
 window floor; a call that starts above layer 0 takes its input rows from the outputs of earlier
 calls that ended at that layer (possibly two adjacent pieces, e.g. exact replay's rebuilt and
-new rows feeding decoder replay), together with the top-k selection those rows had. Not for: choosing the plan (see
-:mod:`replaykv.replay`) or scheduling several requests.
+new rows feeding decoder replay), together with the top-k selection those rows had. Not for:
+choosing the plan (see :mod:`replaykv.replay`) or scheduling several requests.
 """
 
 from __future__ import annotations
