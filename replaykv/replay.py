@@ -19,6 +19,7 @@ Not for: running segments (see :mod:`replaykv.engine.runner`) or finding the hit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from replaykv.model.spec import ModelSpec
 
@@ -112,20 +113,18 @@ def plan_calls(segments: tuple[Segment, ...]) -> tuple[Call, ...]:
     segments would: the new rows read the replayed rows' window entries either way."""
     calls: list[Call] = []
     for seg in segments:
-        if seg.tokens[1] <= seg.tokens[0]:
+        (t0, t1), last = seg.tokens, calls[-1] if calls else None
+        if t1 <= t0:
             continue
-        last = calls[-1] if calls else None
         if (
             seg.write_global
             and last is not None
-            and last.global_from == last.tokens[1]
-            and (last.layers, last.tokens[1], last.window_floor)
-            == (seg.layers, seg.tokens[0], seg.window_floor)
+            and last.global_from == last.tokens[1]  # read-only
+            and (last.layers, last.tokens[1], last.window_floor) == (seg.layers, t0, seg.window_floor)
         ):
-            calls[-1] = Call(seg.layers, (last.tokens[0], seg.tokens[1]), seg.window_floor, seg.tokens[0])
-            continue
-        t0, t1 = seg.tokens
-        calls.append(Call(seg.layers, seg.tokens, seg.window_floor, t0 if seg.write_global else t1))
+            calls[-1] = Call(seg.layers, (last.tokens[0], t1), seg.window_floor, t0)
+        else:
+            calls.append(Call(seg.layers, seg.tokens, seg.window_floor, t0 if seg.write_global else t1))
     return tuple(calls)
 
 
@@ -152,9 +151,9 @@ class PrefillPlan:
     def work(self) -> int:
         return sum(seg.work for seg in self.segments)
 
-    @property
+    @cached_property
     def calls(self) -> tuple[Call, ...]:
-        """The model calls that run the plan (see `plan_calls`)."""
+        """The model calls that run the plan (see `plan_calls`; worked out once per plan)."""
         return plan_calls(self.segments)
 
     @property

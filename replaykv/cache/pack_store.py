@@ -617,7 +617,8 @@ class PackStore(LocalStore[_Entry]):
         ``capacity:ENOSPC`` or ``too_large``) are written as one batch with its table and tail:
         appended to the newest pack and fsynced, or as a new pack (temp file, fsync, rename,
         directory fsync); only then are they indexed and counted as published, and the versions
-        they replace dropped. An I/O error at any stage publishes none of the batch. Keys must be distinct within a batch (``ValueError``).
+        they replace dropped. An I/O error at any stage publishes none of the batch. Keys must be
+        distinct within a batch (``ValueError``).
         ``raise_on_error=True`` raises the ``OSError`` after the batch was settled and counted.
         """
         batch = list(items)

@@ -275,7 +275,7 @@ class Attention(nn.Module):
         entries = selection = None
         if self.compressor is not None:
             assert cache.entries is not None
-            writing = step.global_rows()
+            writing = step.global_rows
             if writing is not None:
                 self.compress(self.compressor, x[:, step.global_from :], writing, cache, index=False)
             n = max((p + s) // self.ratio for p in step.start_host)

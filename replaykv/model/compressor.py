@@ -234,15 +234,16 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     nan = torch.isnan(vals[..., 0]).reshape(-1)  # top-k ranks NaN first
     tied = ~(vals[..., k - 1] > vals[..., k]).reshape(-1) & ~nan
     vals, idx = vals[..., :k].contiguous(), idx[..., :k].contiguous()
-    if bool(tied.any()) or bool(nan.any()):
+    if bool((tied | nan).any()):
         rows, v, i = scores.reshape(-1, n), vals.view(-1, k), idx.view(-1, k)
         at = tied.nonzero().squeeze(1)
         sub, edge = rows[at], v[at, k - 1 :]
         above, level = sub > edge, sub == edge
         room = k - above.sum(-1, keepdim=True)  # how many of the tied fit, lowest index first
         i[at] = (above | (level & (level.cumsum(-1) <= room))).nonzero()[:, 1].view(-1, k)
+        v[at] = sub.gather(-1, i[at])
         at = nan.nonzero().squeeze(1)
         whole = torch.arange(n, device=scores.device).expand(len(at), n)
         i[at] = torch.topk(_nudged(rows[at], whole), k, dim=-1).indices
-        v[:] = rows.gather(-1, i)
+        v[at] = rows[at].gather(-1, i[at])
     return idx.gather(-1, _nudged(vals, idx).argsort(dim=-1, descending=True))

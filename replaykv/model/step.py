@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -89,8 +90,10 @@ class Step:
     # replayed rows riding in the same call as the new rows after them (read-only, as above).
     global_from: int = 0
 
+    @cached_property
     def global_rows(self) -> Step | None:
-        """The Step of the rows that write global KV ([global_from, S)), or None when none do."""
+        """The Step of the rows that write global KV ([global_from, S)), or None when none do
+        (built once per call, read by every source layer)."""
         g = self.global_from
         if not self.write_global or g >= self.seq:
             return None

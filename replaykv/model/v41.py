@@ -197,7 +197,7 @@ class AttentionV41(nn.Module):
         entries = chosen = None
         if self.ratio:
             assert cache.entries is not None and cache.index_keys is not None
-            writing = step.global_rows()
+            writing = step.global_rows
             if self.compressor is not None and writing is not None:
                 self._compress(x[:, step.global_from :], writing, cache)
             n = max((p + s) // self.ratio for p in step.start_host)
