@@ -1,8 +1,8 @@
 """Random initialisation of a model built from a config (for presets without weights and tests).
 
 Follows transformers' scheme: normal(0, 0.02) matrices, unit norms, zero sinks, biases and
-position biases, ones for mHC scales; hash-routing tables are drawn uniformly. Not for: training
-recipes (see :mod:`replaykv.train`).
+position biases, ones for mHC scales; hash-routing tables are drawn uniformly. Training recipes
+draw the embeddings at their own scale (`Recipe.embed_std`, :mod:`replaykv.train.recipes`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ from replaykv.model.layers import HyperConnection, HyperHead, RMSNorm, Router
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+def init_weights(
+    model: nn.Module, seed: int = 0, std: float = 0.02, embed_std: float | None = None
+) -> nn.Module:
+    """Initialise `model` in place from `seed`: every matrix normal(0, `std`), embedding tables
+    normal(0, `embed_std`) (None: `std`), the rest as the module docstring says."""
     gen = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+            scale = embed_std if embed_std is not None and isinstance(module, nn.Embedding) else std
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * scale)
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, HyperConnection):

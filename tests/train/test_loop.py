@@ -353,6 +353,22 @@ def test_mhc_mixes_get_their_own_rate_without_weight_decay() -> None:
         dataclasses.replace(recipe, hc_lr_scale=0.0)
 
 
+def test_a_fresh_model_draws_its_embeddings_at_the_recipe_scale() -> None:
+    recipe = dataclasses.replace(tiny(), embed_std=0.7)
+    model = loop._fresh(recipe, seed=3)
+    assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.7, rel=0.02)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.02)  # matrices keep 0.02
+    plain = init_weights(DeepseekV41ForCausalLM(v41_tiny()), seed=3)
+    assert plain.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    # the embedding scale changes only the embeddings: every other tensor is drawn the same
+    same = {n: p for n, p in plain.named_parameters() if "embed_tokens" not in n}
+    for name, p in model.named_parameters():
+        if "embed_tokens" not in name:
+            assert torch.equal(p, same[name]), name
+    with pytest.raises(ValueError, match="embed_std"):
+        dataclasses.replace(recipe, embed_std=0.0)
+
+
 def test_median_step_seconds_counts_each_step_once_and_skips_pauses(tmp_path) -> None:  # type: ignore[no-untyped-def]
     recipe = _mini(steps=4)
     tokens = recipe.phases[0].batch * recipe.phases[0].seq_len
