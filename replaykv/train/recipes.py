@@ -138,13 +138,8 @@ class Recipe:
     # step: at 1.0 the `small` run had shut 11 of its 24 branches (post mix 2·sigmoid < 0.12)
     # by step 700.
     hc_lr_scale: float = 0.1
-    # Standard deviation of the token embeddings of a fresh model (the other matrices keep
-    # `init_weights`' 0.02). At 0.02 the `small` run could not copy inside its window at step
-    # 800, and a 2-layer V4.1 stack (mHC and quantisers off; with its attention and experts, or
-    # with reference attention and a dense MLP in their place) had not learnt to continue a
-    # repeated random string after 1,100-1,200 steps (2.4-2.8 nats, chance 3.26); at 1.0, as
-    # PyTorch's default, that stack learnt it by step ~900 (0.08 nats), like a plain GPT with the
-    # same data (docs/training.md).
+    # Standard deviation of a fresh model's token embeddings (other matrices keep 0.02): at 0.02
+    # a V4.1 stack did not learn to copy in context; why 1.0, in docs/training.md.
     embed_std: float = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
