@@ -2,7 +2,8 @@
 
 Follows transformers' scheme: normal(0, 0.02) matrices, unit norms, zero sinks, biases and
 position biases, ones for mHC scales; hash-routing tables are drawn uniformly. Training recipes
-draw the embeddings at their own scale (`Recipe.embed_std`, :mod:`replaykv.train.recipes`).
+draw the embeddings at their own scale and the grouped output projection at 1/sqrt(fan-in)
+(`Recipe.embed_std`, `Recipe.o_proj_fan_in`, :mod:`replaykv.train.recipes`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,24 @@ from replaykv.model.layers import HyperConnection, HyperHead, RMSNorm, Router
 
 @torch.no_grad()
 def init_weights(
-    model: nn.Module, seed: int = 0, std: float = 0.02, embed_std: float | None = None
+    model: nn.Module,
+    seed: int = 0,
+    std: float = 0.02,
+    embed_std: float | None = None,
+    o_proj_fan_in: bool = False,
 ) -> nn.Module:
     """Initialise `model` in place from `seed`: every matrix normal(0, `std`), embedding tables
-    normal(0, `embed_std`) (None: `std`), the rest as the module docstring says."""
+    normal(0, `embed_std`) (None: `std`), with `o_proj_fan_in` both halves of every attention's
+    output projection (`o_a_proj`, `o_b_proj`) normal(0, in_features^-1/2), the rest as the module docstring says. The scales change only
+    the tensors they name: every other tensor is drawn the same whatever they are."""
     gen = torch.Generator().manual_seed(seed)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            scale = embed_std if embed_std is not None and isinstance(module, nn.Embedding) else std
+            scale = std
+            if embed_std is not None and isinstance(module, nn.Embedding):
+                scale = embed_std
+            elif o_proj_fan_in and name.endswith(("o_a_proj", "o_b_proj")) and isinstance(module, nn.Linear):
+                scale = module.in_features**-0.5
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * scale)
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)

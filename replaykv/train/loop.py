@@ -122,7 +122,7 @@ def _fresh(recipe: Recipe, seed: int | None = None) -> DeepseekV41ForCausalLM:
     model = DeepseekV41ForCausalLM(get_preset_v41(recipe.preset))
     if seed is not None:
         torch.manual_seed(seed)
-        init_weights(model, seed=seed, embed_std=recipe.embed_std)
+        init_weights(model, seed=seed, embed_std=recipe.embed_std, o_proj_fan_in=recipe.o_proj_fan_in)
     return model.train()
 
 

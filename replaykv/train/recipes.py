@@ -141,6 +141,10 @@ class Recipe:
     # Standard deviation of a fresh model's token embeddings (other matrices keep 0.02): at 0.02
     # a V4.1 stack did not learn to copy in context; why 1.0, in docs/training.md.
     embed_std: float = 1.0
+    # Draw both halves of each attention's grouped output projection (`o_a_proj`, `o_b_proj`)
+    # at 1/sqrt(fan-in) instead of 0.02: at 0.02 a V4.1 attention did not learn to copy in
+    # context; why, in docs/training.md.
+    o_proj_fan_in: bool = True
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     seed: int = 1234

@@ -353,16 +353,30 @@ def test_mhc_mixes_get_their_own_rate_without_weight_decay() -> None:
         dataclasses.replace(recipe, hc_lr_scale=0.0)
 
 
-def test_a_fresh_model_draws_its_embeddings_at_the_recipe_scale() -> None:
+def test_a_fresh_model_draws_its_embeddings_and_output_projections_at_the_recipe_scales() -> None:
     recipe = dataclasses.replace(tiny(), embed_std=0.7)
+    assert recipe.o_proj_fan_in
     model = loop._fresh(recipe, seed=3)
     assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.7, rel=0.02)
     assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.02)  # matrices keep 0.02
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.o_a_proj, layer.self_attn.o_b_proj):
+            assert proj.weight.std().item() == pytest.approx(proj.in_features**-0.5, rel=0.05)
     plain = init_weights(DeepseekV41ForCausalLM(v41_tiny()), seed=3)
     assert plain.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.02)
-    # the embedding scale changes only the embeddings: every other tensor is drawn the same
-    same = {n: p for n, p in plain.named_parameters() if "embed_tokens" not in n}
+    assert plain.model.layers[0].self_attn.o_b_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    # the scales change only the tensors they name: every other tensor is drawn the same, and
+    # the rescaled ones are the same draws times their scale
+    same = dict(plain.named_parameters())
     for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            assert torch.allclose(p, same[name] * (0.7 / 0.02)), name
+        elif "o_a_proj" in name or "o_b_proj" in name:
+            assert torch.allclose(p, same[name] * (p.shape[1] ** -0.5 / 0.02)), name
+        else:
+            assert torch.equal(p, same[name]), name
+    off = loop._fresh(dataclasses.replace(recipe, o_proj_fan_in=False), seed=3)
+    for name, p in off.named_parameters():
         if "embed_tokens" not in name:
             assert torch.equal(p, same[name]), name
     with pytest.raises(ValueError, match="embed_std"):
