@@ -266,7 +266,8 @@ def small() -> Recipe:
     and one row in seven is a copy row, from the first step: a run without copy rows, with task
     answers at weight 1 for its first 550 steps and the mHC mixes at the full learning rate,
     could not yet copy a repeated digit string inside its window at step 700. A run with them but
-    its embeddings at 0.02 (see `Recipe.embed_std`) could not copy inside its window at step 800."""
+    its embeddings and output projections at 0.02 (see `Recipe.embed_std`, `Recipe.o_proj_fan_in`)
+    could not copy inside its window at step 800."""
     return Recipe(
         name="small",
         preset="v41-small",
