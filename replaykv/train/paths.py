@@ -55,6 +55,11 @@ class CacheGuard:
     Without it, `ring.gather(...)` saves the ring and the `scatter_` that follows (same layer,
     or the next segment) bumps its version: backward then fails ("modified by an inplace
     operation"). Copies are taken only for cache tensors, which are small next to activations.
+    Every other saved tensor is kept as a detached alias: a pack hook that returns a tensor
+    with its `grad_fn` makes a reference cycle through the graph when the tensor is its node's
+    own output (as `relu_` saves), which Python's collector cannot see, so each step's graph
+    would outlive its backward. Backward reads only the values, so first-order gradients are
+    unchanged.
     """
 
     def __init__(self) -> None:
@@ -69,7 +74,7 @@ class CacheGuard:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout == torch.strided and t.untyped_storage().data_ptr() in self._ptrs:
             return t.detach().clone()
-        return t
+        return t.detach() if t.grad_fn is not None else t  # see the class docstring
 
     def __enter__(self) -> CacheGuard:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -6,6 +6,7 @@ differences) and through the replay paths, whose forward matches the engine's; t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -296,6 +297,30 @@ def test_cache_guard_is_what_makes_replay_backward_work() -> None:
         run_plan(model, full_plan(spec, 32), ids, view)
         logits, _ = run_plan(model, plan, ids, guard.track(fork_view(view)))
     logits.sum().backward()
+
+
+def test_a_training_step_leaves_no_graph_behind() -> None:
+    # Without the indexer distillation the indexers select under autograd (`relu_` saves its
+    # own output): nothing of a step's graph may outlive its backward.
+    model = _model()
+    spec = ModelSpec.from_config(model.config)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    targets = torch.ones(2, 48)
+
+    def graph_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None)
+
+    def one_step() -> None:
+        losses = path_losses(model, spec, ids, targets, 40, 20, follow_up=True)
+        sum(losses.values()).backward()  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+
+    one_step()
+    before = graph_tensors()
+    for _ in range(3):
+        one_step()
+    assert graph_tensors() == before
 
 
 def test_micro_batches_accumulate_the_whole_batch_gradient(corpus) -> None:  # type: ignore[no-untyped-def]
