@@ -24,8 +24,9 @@ def init_weights(
 ) -> nn.Module:
     """Initialise `model` in place from `seed`: every matrix normal(0, `std`), embedding tables
     normal(0, `embed_std`) (None: `std`), with `o_proj_fan_in` both halves of every attention's
-    output projection (`o_a_proj`, `o_b_proj`) normal(0, in_features^-1/2), the rest as the module docstring says. The scales change only
-    the tensors they name: every other tensor is drawn the same whatever they are."""
+    output projection (`o_a_proj`, `o_b_proj`) normal(0, in_features^-1/2), the rest as the
+    module docstring says. The options rescale only the tensors they name: every other tensor
+    is drawn the same with or without them."""
     gen = torch.Generator().manual_seed(seed)
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
