@@ -74,7 +74,7 @@ class CacheGuard:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout == torch.strided and t.untyped_storage().data_ptr() in self._ptrs:
             return t.detach().clone()
-        return t.detach() if t.grad_fn is not None else t  # see the class docstring
+        return t.detach()  # an alias without grad_fn: see the class docstring
 
     def __enter__(self) -> CacheGuard:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
