@@ -201,12 +201,22 @@ def copy_row(
     return ids, copy, sorted(pairs)
 
 
+def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
+    """One random string of 10-40 bytes (upper case and digits) written again and again to fill
+    `length`: ids [length] and the string's size. Every byte after the first repeat's first is a
+    copy of the byte one period back, inside the window: the densest copy target there is, for
+    the phase that forms the copying circuit before anything else (see `Recipe` `small`)."""
+    size = int(rng.integers(10, 41))
+    text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), size)]
+    return np.resize(text, length).astype(np.int64), size
+
+
 # ---------------------------------------------------------------------------- the mixture
 @dataclass
 class Batch:
     """ids [B, L] long; targets [B, L] float32, the loss weight of position t (predicted by row
     t-1; 0: no loss; 1 for text, the phase's `answer_weight` for task answers and train spans,
-    its `copy_weight` for copy rows' repeats);
+    its `copy_weight` for copy rows' repeats and repeat rows' copies);
     prompt_len: P, the follow-up boundary shared by every row; cut: the encoder bounded-replay
     cut (0: none); kinds: the row kinds; samples: the task samples (None for text rows)."""
 
@@ -260,6 +270,10 @@ class MixtureSampler:
             kinds.append(kind)
             samples.append(sample)
             prose = bool(rng.uniform() < phase.mixture.prose_fraction)
+            if kind == "repeat":
+                ids[row], size = repeat_row(rng, length)
+                targets[row, size + 1 :] = phase.copy_weight
+                continue
             if kind == "copy":
                 ids[row], mask, pairs = copy_row(rng, self.corpus, length, w, prose)
                 targets[row, 1:] = 1.0

@@ -17,6 +17,7 @@ from replaykv.train.data import (
     copy_row,
     list_files,
     load_corpus,
+    repeat_row,
     split_of,
     stdlib_root,
 )
@@ -24,6 +25,13 @@ from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
 from replaykv.train.tasks import TASKS, TOKENIZER, generate, score
 
 FILES = 40
+
+
+def mixed():  # type: ignore[no-untyped-def]
+    """`small` without its first (repeat-rows-only) phase: batch 0 is of the mixture."""
+    recipe = small()
+    assert recipe.phases[0].name == "induction"
+    return dataclasses.replace(recipe, phases=recipe.phases[1:])
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,7 @@ def test_batches_are_a_function_of_seed_and_step(corpus) -> None:  # type: ignor
 
 
 def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore[no-untyped-def]
-    recipe = small()
+    recipe = mixed()
     s = MixtureSampler(corpus["train"], recipe, window=128)
     seen = set()
     for step in range(4):
@@ -112,7 +120,7 @@ def test_copy_rows_repeat_random_strings(corpus) -> None:  # type: ignore[no-unt
         assert (mask == expected).all() and covered.max() == 1  # strings never overlap
     assert near > 40 and far > 40  # both sides of the window
 
-    recipe = small()
+    recipe = mixed()
     weight = recipe.phases[0].copy_weight
     s = MixtureSampler(corpus["train"], recipe, window=128)
     rows = [
@@ -127,8 +135,33 @@ def test_copy_rows_repeat_random_strings(corpus) -> None:  # type: ignore[no-unt
         assert len(at) > 100 and np.isin(ids[at].numpy(), COPY_ALPHABET).all()
 
 
-def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
+def test_repeat_rows_fill_the_row_with_one_string_and_weigh_its_copies(corpus) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(3)
+    sizes = set()
+    for _ in range(50):
+        ids, size = repeat_row(rng, 256)
+        sizes.add(size)
+        assert ids.shape == (256,) and 10 <= size <= 40
+        assert np.isin(ids, COPY_ALPHABET).all()
+        assert (ids[size:] == ids[:-size]).all()  # period `size` ...
+        assert all((ids[p:] != ids[:-p]).any() for p in range(1, size))  # ... and no shorter one
+    assert min(sizes) < 15 and max(sizes) > 35
+
     recipe = small()
+    first = recipe.phases[0]
+    assert (first.name, first.seq_len) == ("induction", 256)
+    batch = MixtureSampler(corpus["train"], recipe, window=128).batch(0)
+    assert batch.kinds == ("repeat",) * first.batch and batch.ids.shape == (first.batch, 256)
+    for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
+        size = next(p for p in range(10, 41) if (ids[p:] == ids[:-p]).all())
+        # no loss until the first repeat's second byte (the first could follow any string)
+        assert not t[: size + 1].any() and (t[size + 1 :] == first.copy_weight).all()
+    later = MixtureSampler(corpus["train"], recipe, window=128).batch(first.steps)
+    assert "repeat" not in later.kinds and later.ids.shape[1] == recipe.phases[1].seq_len
+
+
+def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
+    recipe = mixed()
     weighted = dataclasses.replace(
         recipe, phases=(dataclasses.replace(recipe.phases[0], answer_weight=25.0), *recipe.phases[1:])
     )
