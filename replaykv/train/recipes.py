@@ -262,10 +262,10 @@ SMALL_MIXTURE = Mixture(
 )
 
 
-# The first phase: repeat rows alone, 8 × 256 tokens. The whole `small` model trained on them from
-# a fresh start fell from 3.3 nats per copied byte (chance for its 26 letters) to 2.35 by step
-# 300 at 2e-3 (50 warmup steps); in the mixture, where copy targets are ~2% of the tokens, copying had not
-# started by step 300 (see docs/training.md).
+# The first phase: repeat rows alone, 8 × 256 tokens. The whole `small` model, fresh, trained on
+# a string repeated to fill the row fell from 3.3 nats per copied byte (chance for its 26
+# letters) to 2.35 by step 300 at 2e-3 (50 warmup steps); in the mixture, where copy targets
+# are ~2% of the tokens, copying had not started by step 300 (see docs/training.md).
 INDUCTION_STEPS = 400
 INDUCTION_MIXTURE = Mixture(
     text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, copy=0.0, repeat=1.0
@@ -278,8 +278,8 @@ def small() -> Recipe:
     contexts are seen in training (28.7M tokens in all).
 
     Task answers weigh 50 times a text token (about half the loss; at weight 1 they are 2% of it)
-    and one row in seven is a copy row, from the first mixture step: a run without copy rows, with task
-    answers at weight 1 for its first 550 steps and the mHC mixes at the full learning rate,
+    and one row in seven is a copy row from the first mixture step: a run without copy rows, with
+    task answers at weight 1 for its first 550 steps and the mHC mixes at the full learning rate,
     could not yet copy a repeated digit string inside its window at step 700. A run with them but
     its embeddings and output projections at 0.02 (see `Recipe.embed_std`, `Recipe.o_proj_fan_in`)
     could not copy inside its window at step 800."""
