@@ -79,7 +79,8 @@ def test_loss_masks_cover_answers_and_text_only(corpus) -> None:  # type: ignore
     for step in range(4):
         batch = s.batch(step)
         p = batch.prompt_len
-        assert batch.ids.shape == (8, 1024) and 512 <= p <= 1024 - recipe.answer_budget
+        n_seq = recipe.phases[0].seq_len
+        assert batch.ids.shape == (8, n_seq) and n_seq // 2 <= p <= n_seq - recipe.answer_budget
         for row, (kind, sample) in enumerate(zip(batch.kinds, batch.samples, strict=True)):
             seen.add(kind)
             t = batch.targets[row]
@@ -132,7 +133,7 @@ def test_copy_rows_repeat_random_strings(corpus) -> None:  # type: ignore[no-unt
     assert rows
     for ids, t in rows:
         at = np.flatnonzero(t.numpy() == weight)
-        assert len(at) > 100 and np.isin(ids[at].numpy(), COPY_ALPHABET).all()
+        assert len(at) > len(ids) // 10 and np.isin(ids[at].numpy(), COPY_ALPHABET).all()
 
 
 def test_repeat_rows_fill_the_row_with_one_string_and_weigh_its_copies(corpus) -> None:  # type: ignore[no-untyped-def]
