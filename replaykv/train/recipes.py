@@ -274,13 +274,22 @@ INDUCTION_MIXTURE = Mixture(
 )
 
 
-def _mixed(name: str, steps: int, seq_len: int, batch: int, micro_batch: int | None = None) -> Phase:
+def _mixed(
+    name: str,
+    steps: int,
+    seq_len: int,
+    batch: int,
+    micro_batch: int | None = None,
+    paths: Paths | None = None,
+) -> Phase:
+    """A phase of the `small` mixture with the task-answer and copy weights."""
     return Phase(
         name,
         steps=steps,
         seq_len=seq_len,
         batch=batch,
         micro_batch=micro_batch,
+        paths=paths or Paths(),
         mixture=SMALL_MIXTURE,
         answer_weight=TASK_ANSWER_WEIGHT,
         copy_weight=COPY_WEIGHT,
@@ -335,18 +344,7 @@ def adapt() -> Recipe:
     return Recipe(
         name="adapt",
         preset="v41-small",
-        phases=(
-            Phase(
-                "adapt",
-                steps=120,
-                seq_len=512,
-                batch=8,
-                paths=paths,
-                mixture=SMALL_MIXTURE,
-                answer_weight=TASK_ANSWER_WEIGHT,
-                copy_weight=COPY_WEIGHT,
-            ),
-        ),
+        phases=(_mixed("adapt", steps=120, seq_len=512, batch=8, paths=paths),),
         lr=3e-4,
         min_lr=3e-5,
         warmup=10,
