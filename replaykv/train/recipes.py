@@ -257,8 +257,8 @@ def tiny() -> Recipe:
     )
 
 
-TASK_ANSWER_WEIGHT = 50.0  # task answers ~ half of a 8 × 1,024 batch's loss (Phase.answer_weight)
-COPY_WEIGHT = 5.0  # copy rows' repeats ~ 15% of it (Phase.copy_weight)
+TASK_ANSWER_WEIGHT = 50.0  # a task answer token weighs 50 text tokens (Phase.answer_weight)
+COPY_WEIGHT = 5.0  # a copy row's repeated byte weighs 5 (Phase.copy_weight)
 SMALL_MIXTURE = Mixture(
     text=0.20, passkey=0.35, multihop=0.15, chain=0.10, extract=0.03, tool=0.03, copy=0.14
 )
@@ -300,7 +300,7 @@ def small() -> Recipe:
     """The shipped base model, sized to train in about 90 minutes on 2 CPU cores (one working
     session): 400 steps of repeat rows (8 × 256 tokens) that form the copying circuit, 600 steps
     of the task-heavy mixture at 8 × 512 tokens, then 100 steps of 2 × 4,096 so that 4K contexts
-    are seen in training (3.9M tokens in all). Measured step times on 2 cores: 2.4 s, 5.0 s and
+    are seen in training (4.1M tokens in all). Measured step times on 2 cores: 2.4 s, 5.0 s and
     about 12 s.
 
     A third of the rows are passkey cases and task answers weigh 50 times a text token: in a
