@@ -12,13 +12,25 @@ import time
 from pathlib import Path
 
 
+def _model_dir(args: argparse.Namespace) -> str | None:
+    """--model, else the bundled model when one is shipped and no --preset was given."""
+    if args.model or getattr(args, "preset", None) is not None:
+        return str(args.model) if args.model else None
+    from replaykv.server.settings import BUNDLED_MODEL_DIR
+
+    return str(BUNDLED_MODEL_DIR) if (BUNDLED_MODEL_DIR / "config.json").is_file() else None
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The model of `args` (with `args.model` set to the directory it came from, if any) and
+    whether its weights are random."""
     import torch
 
     from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
 
     quant = {"on": True, "off": False}.get(getattr(args, "kv_quant", "config"))
-    if getattr(args, "model", None):
+    args.model = _model_dir(args)
+    if args.model:
         config = None
         if quant is not None:
             from replaykv.model.checkpoint import load_config
@@ -29,6 +41,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
 
+    args.preset = args.preset or "small"
     preset = get_preset(args.preset)
     if quant is not None:
         preset = preset.replace(kv_quant=quant)
@@ -86,8 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, random_weights = _load(args)
     tok = ByteTokenizer.load(args.model) if args.model else ByteTokenizer()
     if random_weights:
-        print(f"note: preset {args.preset!r} with RANDOM weights (no trained model is bundled yet); "
-              "the text below is noise. This is a one-shot generation; the server is not implemented yet.")  # fmt: skip
+        print(f"note: preset {args.preset!r} with RANDOM weights; the text below is noise.")
     ids = tok.encode(args.prompt, bos=True)
     ids = [i % model.config.vocab_size for i in ids]
     t0 = time.perf_counter()
@@ -106,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(sp: argparse.ArgumentParser, need_model: bool = False) -> None:
         sp.add_argument("--model", required=need_model, help="model directory (config.json + safetensors)")
         if not need_model:
-            sp.add_argument("--preset", default="small", help="preset used when --model is not given")
+            sp.add_argument(
+                "--preset",
+                default=None,
+                help="preset with random weights (default: the bundled model, else 'small')",
+            )
             sp.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         sp.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")

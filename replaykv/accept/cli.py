@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--model", default=None, help="checkpoint directory (default: the bundled model, else --preset)"
     )
-    g.add_argument("--preset", default="small", help="preset with random weights when there is no model")
+    g.add_argument(
+        "--preset", default=None, help="preset with random weights (default: the bundled model, else 'small')"
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -66,19 +68,19 @@ def main(argv: list[str] | None = None) -> int:
                 args.baseline_url, args.candidate_url, args.api_key, args.admin_key, args.window
             )
         else:
-            model = args.model
+            model, preset = args.model, args.preset or "small"
             if model is None:
                 from replaykv.server.settings import BUNDLED_MODEL_DIR
 
-                if (BUNDLED_MODEL_DIR / "config.json").is_file():
+                if args.preset is None and (BUNDLED_MODEL_DIR / "config.json").is_file():
                     model = str(BUNDLED_MODEL_DIR)
                 else:
                     print(
-                        f"replaykv accept: no bundled model; using preset {args.preset!r} with RANDOM weights "
+                        f"replaykv accept: using preset {preset!r} with RANDOM weights "
                         "(divergences are meaningful, task success is not)",
                         file=sys.stderr,
                     )
-            target = InProcess(model, args.preset, args.seed, args.device, args.dtype, args.inject_fault)
+            target = InProcess(model, preset, args.seed, args.device, args.dtype, args.inject_fault)
         rep = run_contract(args.contract, args.out, target)
     except (ContractError, TargetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -126,8 +126,8 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", _to_str, "127.0.0.1", "address to listen on"),
     Option("port", _to_int, 30000, "port to listen on"),
-    Option("model", _to_str, None, "model directory (config.json + safetensors); default: the bundled model, else --preset"),
-    Option("preset", _to_str, "small", "preset with random weights, used when there is no --model and no bundled model"),
+    Option("model", _to_str, None, "model directory (config.json + safetensors); default: --preset when given, else the bundled model"),
+    Option("preset", _to_str, "small", "preset with random weights; used when given without --model, or when no model is bundled"),
     Option("served_model_name", _to_str, None, "model name in the API (default: the engine's model name)"),
     Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable; none = no authentication, tenant 'default')", metavar="KEY=TENANT"),
     Option("admin_key", _to_str, None, "bearer key of the /admin endpoints (unset = admin endpoints refused)"),
@@ -226,10 +226,12 @@ class Settings:
 
     @property
     def model_dir(self) -> Path | None:
-        """The model directory to load: --model, else the bundled model when one is shipped."""
+        """The model directory to load: --model, else the bundled model when one is shipped and no
+        preset was asked for (a preset named anywhere, flag, file or environment, means random
+        weights of that shape)."""
         if self.values["model"]:
             return Path(self.values["model"])
-        if (BUNDLED_MODEL_DIR / "config.json").is_file():
+        if self.sources["preset"] == "default" and (BUNDLED_MODEL_DIR / "config.json").is_file():
             return BUNDLED_MODEL_DIR
         return None
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from replaykv.server import settings as settings_module
 from replaykv.server import usage_text
 from replaykv.server.settings import (
     OPTIONS,
@@ -204,3 +205,15 @@ def test_usage_text_is_pasteable() -> None:
     assert "curl http://127.0.0.1:8000/v1/chat/completions" in text and "Bearer YOUR_API_KEY" in text
     assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in text
     assert "Authorization" not in usage_text("http://h:1", "m", auth=False)
+
+
+def test_a_named_preset_wins_over_the_bundled_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundled = tmp_path / "weights" / "small"
+    bundled.mkdir(parents=True)
+    monkeypatch.setattr(settings_module, "BUNDLED_MODEL_DIR", bundled)
+    assert load_settings([], environ={}).model_dir is None  # nothing bundled yet
+    (bundled / "config.json").write_text("{}")
+    assert load_settings([], environ={}).model_dir == bundled
+    assert load_settings(["--preset", "tiny"], environ={}).model_dir is None
+    assert load_settings([], environ={"REPLAYKV_PRESET": "tiny"}).model_dir is None
+    assert load_settings(["--model", str(tmp_path)], environ={}).model_dir == tmp_path
