@@ -226,7 +226,7 @@ def bench_miss_paths(
     # name -> (plan, snapshot dropped, runs). Cases run in interleaved rounds, in this order in even
     # rounds and the reverse in odd ones, so a slow spell of the machine lands on every case alike and no
     # case always follows the same one (truncate and full run the same plan here, so their ratio shows
-    # what the order alone does), and a difference is the median over rounds of one case's time minus
+    # the timing's own error), and a difference is the median over rounds of one case's time minus
     # another's in the same round. A short case runs once untimed just before each timed run, so every
     # case is timed in the same warm state (pages already mapped, caches holding its own data) whatever
     # ran before it. "… as ordinary" cases price a replay path's rows; "hit, read-only" is what they are
@@ -320,20 +320,27 @@ def bench_miss_paths(
             bound.update({name: (cases[name][0].work - hit.work) * per_work for name in ("truncate", "full")})
         return rec, bound, per_work
 
-    def ratio(name: str, series: dict[str, list[float]]) -> str:
-        """Recovery ÷ bound on one clock, with its bootstrap interval for the replays."""
+    def ratios(series: dict[str, list[float]]) -> dict[str, str]:
+        """Recovery ÷ bound of each path on one clock, with a bootstrap interval for the replays."""
         rec, bound, _ = priced(series)
-        b = bound.get(name)
-        if b is None or b <= 0:
-            return "—"
-        if name not in replays:
-            return f"{rec[name] / b:.2f}"
-        stat = ratio_of_medians(
-            diffs(name, series, "hit"), diffs(f"{name} as ordinary", series, "hit, read-only")
-        )
-        return f"{rec[name] / b:.2f}{interval(stat, len(series[name]))}"
+        out = {}
+        for name in ran:
+            b = bound.get(name)
+            if b is None or b <= 0:
+                out[name] = "—"
+                continue
+            spread = ""
+            if name in replays:
+                top, bottom = (
+                    diffs(name, series, "hit"),
+                    diffs(f"{name} as ordinary", series, "hit, read-only"),
+                )
+                spread = interval(ratio_of_medians(top, bottom), len(series[name]))
+            out[name] = f"{rec[name] / b:.2f}{spread}"
+        return out
 
     rec, bound, per_work = priced(times)
+    wall_ratio, cpu_ratio = ratios(times), ratios(cpu)
 
     lines = [
         f"(b) {prefix:,}-token cached prefix + {new} new tokens, decoder replay on (the earlier request's "
@@ -380,7 +387,7 @@ def bench_miss_paths(
             f"| {rec[name]:.2f} s{middle(name) if is_replay else ''} | {sec(seg)} | {sec(rest)} "
             f"| {sec(None if per_work is None else extra * per_work)} "
             f"| {sec(b) if name != 'hit' else '—'}{middle(f'{name} as ordinary', 'hit, read-only') if is_replay else ''} "
-            f"| {ratio(name, times)} | {ratio(name, cpu)} |"
+            f"| {wall_ratio[name]} | {cpu_ratio[name]} |"
         )
     exact, bounded = cases["exact"][0], cases["bounded"][0]
     t_exact, t_bounded = rec["exact"], rec["bounded"]
