@@ -16,9 +16,10 @@ def _model_dir(args: argparse.Namespace) -> str | None:
     """--model, else the bundled model when one is shipped and no --preset was given."""
     if args.model or getattr(args, "preset", None) is not None:
         return str(args.model) if args.model else None
-    from replaykv.server.settings import BUNDLED_MODEL_DIR
+    from replaykv.server.settings import bundled_model
 
-    return str(BUNDLED_MODEL_DIR) if (BUNDLED_MODEL_DIR / "config.json").is_file() else None
+    bundled = bundled_model()
+    return str(bundled) if bundled is not None else None
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]

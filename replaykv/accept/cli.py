@@ -70,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model, preset = args.model, args.preset or "small"
             if model is None:
-                from replaykv.server.settings import BUNDLED_MODEL_DIR
+                from replaykv.server.settings import bundled_model
 
-                if args.preset is None and (BUNDLED_MODEL_DIR / "config.json").is_file():
-                    model = str(BUNDLED_MODEL_DIR)
+                bundled = bundled_model() if args.preset is None else None
+                if bundled is not None:
+                    model = str(bundled)
                 else:
                     print(
                         f"replaykv accept: using preset {preset!r} with RANDOM weights "

@@ -44,6 +44,11 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "small"
 """Where a trained model shipped with the package lives (config.json + safetensors), if any."""
 
 
+def bundled_model() -> Path | None:
+    """The model shipped inside the package, or None while none ships."""
+    return BUNDLED_MODEL_DIR if (BUNDLED_MODEL_DIR / "config.json").is_file() else None
+
+
 class SettingsError(ValueError):
     """A setting has a bad value; the message names the flag, variable or file key to change."""
 
@@ -231,9 +236,7 @@ class Settings:
         weights of that shape)."""
         if self.values["model"]:
             return Path(self.values["model"])
-        if self.sources["preset"] == "default" and (BUNDLED_MODEL_DIR / "config.json").is_file():
-            return BUNDLED_MODEL_DIR
-        return None
+        return bundled_model() if self.sources["preset"] == "default" else None
 
     @property
     def replay_flags(self) -> ReplayFlags:
