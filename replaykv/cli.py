@@ -12,25 +12,17 @@ import time
 from pathlib import Path
 
 
-def _model_dir(args: argparse.Namespace) -> str | None:
-    """--model, else the bundled model when one is shipped and no --preset was given."""
-    if args.model or getattr(args, "preset", None) is not None:
-        return str(args.model) if args.model else None
-    from replaykv.server.settings import bundled_model
-
-    bundled = bundled_model()
-    return str(bundled) if bundled is not None else None
-
-
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The model of `args` (with `args.model` set to the directory it came from, if any) and
     whether its weights are random."""
     import torch
 
     from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
+    from replaykv.server.settings import model_to_load
 
     quant = {"on": True, "off": False}.get(getattr(args, "kv_quant", "config"))
-    args.model = _model_dir(args)
+    found = model_to_load(args.model, getattr(args, "preset", None) is not None)
+    args.model = str(found) if found is not None else None
     if args.model:
         config = None
         if quant is not None:

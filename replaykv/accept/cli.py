@@ -68,19 +68,16 @@ def main(argv: list[str] | None = None) -> int:
                 args.baseline_url, args.candidate_url, args.api_key, args.admin_key, args.window
             )
         else:
-            model, preset = args.model, args.preset or "small"
-            if model is None:
-                from replaykv.server.settings import bundled_model
+            from replaykv.server.settings import model_to_load
 
-                bundled = bundled_model() if args.preset is None else None
-                if bundled is not None:
-                    model = str(bundled)
-                else:
-                    print(
-                        f"replaykv accept: using preset {preset!r} with RANDOM weights "
-                        "(divergences are meaningful, task success is not)",
-                        file=sys.stderr,
-                    )
+            found = model_to_load(args.model, args.preset is not None)
+            model, preset = (str(found) if found is not None else None), args.preset or "small"
+            if model is None:
+                print(
+                    f"replaykv accept: using preset {preset!r} with RANDOM weights "
+                    "(divergences are meaningful, task success is not)",
+                    file=sys.stderr,
+                )
             target = InProcess(model, preset, args.seed, args.device, args.dtype, args.inject_fault)
         rep = run_contract(args.contract, args.out, target)
     except (ContractError, TargetError, FileNotFoundError, ValueError) as e:

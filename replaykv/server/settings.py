@@ -44,9 +44,15 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "small"
 """Where a trained model shipped with the package lives (config.json + safetensors), if any."""
 
 
-def bundled_model() -> Path | None:
-    """The model shipped inside the package, or None while none ships."""
-    return BUNDLED_MODEL_DIR if (BUNDLED_MODEL_DIR / "config.json").is_file() else None
+def model_to_load(model: str | None, preset_named: bool) -> Path | None:
+    """The model directory a command loads: `model` when given, else the model shipped inside
+    the package unless a preset was named (a named preset means random weights of that shape);
+    None means the preset."""
+    if model:
+        return Path(model)
+    if preset_named or not (BUNDLED_MODEL_DIR / "config.json").is_file():
+        return None
+    return BUNDLED_MODEL_DIR
 
 
 class SettingsError(ValueError):
@@ -234,9 +240,7 @@ class Settings:
         """The model directory to load: --model, else the bundled model when one is shipped and no
         preset was asked for (a preset named anywhere, flag, file or environment, means random
         weights of that shape)."""
-        if self.values["model"]:
-            return Path(self.values["model"])
-        return bundled_model() if self.sources["preset"] == "default" else None
+        return model_to_load(self.values["model"], self.sources["preset"] != "default")
 
     @property
     def replay_flags(self) -> ReplayFlags:

@@ -217,3 +217,7 @@ def test_a_named_preset_wins_over_the_bundled_model(tmp_path: Path, monkeypatch:
     assert load_settings(["--preset", "tiny"], environ={}).model_dir is None
     assert load_settings([], environ={"REPLAYKV_PRESET": "tiny"}).model_dir is None
     assert load_settings(["--model", str(tmp_path)], environ={}).model_dir == tmp_path
+    # the same rule for `generate` and `accept`, whose --preset defaults to None
+    assert settings_module.model_to_load(None, preset_named=False) == bundled
+    assert settings_module.model_to_load(None, preset_named=True) is None
+    assert settings_module.model_to_load(str(tmp_path), preset_named=True) == tmp_path
