@@ -40,6 +40,7 @@ from report import replace_section
 from replaykv.cache.views import allocate_view
 from replaykv.engine.runner import execute
 from replaykv.engine.scenario import drop_snapshot
+from replaykv.malloc import reexec_keeping_freed_memory
 from replaykv.model.cache_view import CacheView, CompressorCarry, LayerCacheView
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_flash
@@ -407,20 +408,8 @@ def bench_miss_paths(
     return lines
 
 
-# glibc keeps what a run frees (no trimming, no per-buffer mappings under 32 MiB), so a run does
-# not page-fault the buffers the run before it returned. Twelve hits at a 32K prefix (reduced
-# widths) took 0.94-1.63 s, medians 1.29 s and 1.44 s in two processes without these, and
-# 0.96-1.30 s, median 1.01 s, with them.
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-    "MALLOC_TOP_PAD_": str(1 << 30),
-}
-
-
 def main() -> int:
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads them at start-up
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    reexec_keeping_freed_memory()
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192)

@@ -213,6 +213,10 @@ _PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve, "train": _train
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["train"]:
+        from replaykv.malloc import reexec_keeping_freed_memory
+
+        reexec_keeping_freed_memory()  # a console `replaykv train`: glibc keeps freed memory
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:  # subcommands with their own parsers
         return _PASSTHROUGH[argv[0]](argv[1:])

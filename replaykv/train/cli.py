@@ -4,6 +4,9 @@
     replaykv train --recipe small --out models/v41-small --resume          # continue after a stop
     replaykv train --recipe adapt --out models/v41-small-adapted --init models/v41-small
     replaykv train --recipe small --out models/v41-small --eval-only       # re-measure, rewrite card
+    replaykv train --recipe small --out models/v41-small --resume --stages 1 --ship   # one stage
+
+The process re-executes itself with glibc keeping freed memory (:mod:`replaykv.malloc`).
 
 Parsing only; the work is in :mod:`replaykv.train.loop`. Not for: serving the result.
 """
@@ -20,7 +23,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replaykv train", description="Train replaykv's small V4.1 model.")
     p.add_argument("--recipe", choices=sorted(RECIPES), required=True, help="tiny (tests), small, adapt")
     p.add_argument("--out", required=True, help="output directory (export, card, log, train_state/)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state/state.pt")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/train_state/ (exact), else from the last stage checkpoint "
+        "(OUT/stage/, or the one committed in the package) with fresh optimiser moments",
+    )
+    p.add_argument("--stages", type=int, default=None, help="stop after this many stage ends (default: all)")
+    p.add_argument(
+        "--from-stage", default=None, help="stage checkpoint directory to continue from (with --resume)"
+    )
+    p.add_argument(
+        "--ship",
+        action="store_true",
+        help="also copy each stage checkpoint into the package (replaykv/weights/<recipe's directory>/)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--steps", type=int, default=None, help="stop after global step N (resume later)")
     p.add_argument(
@@ -38,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         print("error: --steps must be a positive step number", file=sys.stderr)
         return 2
+    if args.stages is not None and args.stages < 1:
+        print("error: --stages must be a positive number of stages", file=sys.stderr)
+        return 2
+    if argv is None:
+        from replaykv.malloc import reexec_keeping_freed_memory
+
+        reexec_keeping_freed_memory()
     import torch
 
     from replaykv.train.loop import evaluate_only, train
@@ -59,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             init=args.init,
             progress=not args.no_progress,
             micro_batch=args.micro_batch,
+            stages=args.stages,
+            from_stage=args.from_stage,
+            ship=args.ship,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

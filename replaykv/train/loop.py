@@ -14,6 +14,15 @@ Output directory layout:
     OUT/MODEL_CARD.md, metrics.json, recipe.json         what it is and how it scored
     OUT/train_log.jsonl                                  one line per logged step / eval
     OUT/train_state/state.pt                             resumable state (not for shipping)
+    OUT/stage/                                           the last finished stage's checkpoint:
+                                                         the export's files + stage.json
+
+A recipe runs in stages (:attr:`Recipe.stages`). At the end of each the loop writes a stage
+checkpoint: the weights in bf16 (router biases and mHC parameters in float32, as every export)
+and stage.json (recipe, digest, stage, step, tokens, seconds per stage). `--resume` continues
+from OUT/train_state/ exactly when it is there; otherwise from a stage checkpoint (OUT/stage/,
+or the one committed under replaykv/weights/) with fresh AdamW moments and `Recipe.rewarmup`
+steps of re-warm-up: the data and the schedule continue where the stage ended.
 
 Not for: the data (see :mod:`replaykv.train.data`) or the forward paths (see
 :mod:`replaykv.train.paths`).
@@ -25,6 +34,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import threading
@@ -51,7 +61,10 @@ from replaykv.train.paths import IndexerDistillation, path_losses
 from replaykv.train.recipes import Phase, Recipe
 
 STATE = "train_state/state.pt"
-MAX_EXPORT_BYTES = 40 * 1024 * 1024
+STAGE_DIR = "stage"
+STAGE_FILE = "stage.json"
+MAX_EXPORT_BYTES = 30 * 1024 * 1024
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 
 
 class RouterBalance:
@@ -224,6 +237,89 @@ def median_step_seconds(out: Path, recipe: Recipe) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def shipped_dir(recipe: Recipe) -> Path | None:
+    """The package directory this recipe's committed stage checkpoints live in, if any."""
+    return WEIGHTS_DIR / recipe.ship_as if recipe.ship_as else None
+
+
+def read_stage(directory: str | Path) -> dict[str, Any] | None:
+    """stage.json of a stage checkpoint, or None when `directory` holds none."""
+    path = Path(directory) / STAGE_FILE
+    if not (path.is_file() and (Path(directory) / "model.safetensors").is_file()):
+        return None
+    return dict(json.loads(path.read_text()))
+
+
+def write_stage(
+    model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any]
+) -> dict[str, Any]:
+    """Write a stage checkpoint (bf16 export, tokenizer, stage.json) into `directory`, replacing
+    what was there; returns the stage.json record. The files are written beside and renamed in,
+    so an interrupted write leaves the previous checkpoint whole."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
+    save_pretrained(shipped, tmp)  # type: ignore[arg-type]
+    ByteTokenizer().save(tmp)
+    size = (tmp / "model.safetensors").stat().st_size
+    if size > MAX_EXPORT_BYTES:
+        print(f"warning: a stage checkpoint of {size / 2**20:.1f} MiB is over the 30 MiB budget")
+    record = {
+        "recipe": recipe.name,
+        "recipe_digest": recipe.digest(),
+        "stages": len(recipe.stage_ends),
+        "torch": torch.__version__,
+        **info,
+    }
+    (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    old = directory.with_name(directory.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    if old.exists():
+        shutil.rmtree(old)
+    return record
+
+
+def ship_stage(source: Path, target: Path) -> None:
+    """Copy a stage checkpoint's files into the package directory `target`, keeping its card
+    and metrics when the stage is the one they describe."""
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file():
+            shutil.copy2(f, target / f.name)
+
+
+def _cold_start(recipe: Recipe, out: Path, source: str | Path | None) -> Path | None:
+    """The stage checkpoint a run without its full state continues from: `source` when given,
+    else OUT/stage/, else the recipe's committed one; None when there is none."""
+    candidates = [Path(source)] if source is not None else [out / STAGE_DIR]
+    if source is None and shipped_dir(recipe) is not None:
+        candidates.append(shipped_dir(recipe))  # type: ignore[arg-type]
+    for c in candidates:
+        info = read_stage(c)
+        if info is not None:
+            if info.get("recipe") != recipe.name:
+                raise ValueError(f"{c} is a stage of recipe {info.get('recipe')!r}, not {recipe.name!r}")
+            return c
+    if source is not None:
+        raise FileNotFoundError(f"{source} holds no stage checkpoint ({STAGE_FILE} + model.safetensors)")
+    return None
+
+
+def rewarmed_lr(recipe: Recipe, step: int, cold_from: int | None) -> float:
+    """The schedule's rate at `step`, ramped over `recipe.rewarmup` steps after a cold resume at
+    step `cold_from` (None: no ramp)."""
+    lr = recipe.lr_at(step)
+    if cold_from is not None and recipe.rewarmup > 0 and step - cold_from < recipe.rewarmup:
+        lr *= (step - cold_from + 1) / (recipe.rewarmup + 1)
+    return lr
+
+
 def train(
     recipe: Recipe,
     out: str | Path,
@@ -236,13 +332,21 @@ def train(
     evaluate_at_end: bool = True,
     micro_batch: int | None = None,
     checkpoint_seconds: float = 300.0,
+    stages: int | None = None,
+    from_stage: str | Path | None = None,
+    ship: bool = False,
 ) -> TrainResult:
     """Run (or continue) `recipe` into `out`. `max_steps` stops after that global step (a prefix of
     the same run: the schedule is the recipe's); the export happens when the recipe completes.
     `micro_batch` overrides the phases' gradient-accumulation size (memory, not results).
     Besides every ``recipe.checkpoint_every`` steps, the state is saved when ``checkpoint_seconds``
     of wall time have passed since the last save, and when the process receives SIGTERM (it then
-    stops after the current step); neither changes the results, only how much a kill loses."""
+    stops after the current step); neither changes the results, only how much a kill loses.
+
+    `stages` stops after that many stage ends in this call. At each stage end the stage
+    checkpoint goes to OUT/stage/ (and, with `ship`, to the recipe's package directory). With
+    `resume` and no OUT/train_state/, the run continues from a stage checkpoint (`from_stage`,
+    else OUT/stage/, else the committed one) with fresh optimiser moments."""
     out = Path(out)
     state_path = out / STATE
     if state_path.exists() and not resume:
@@ -251,12 +355,33 @@ def train(
     dev = resolve_device(device)
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     continuing = resume and state_path.exists()
+    cold = _cold_start(recipe, out, from_stage) if resume and not continuing else None
+    if resume and not continuing and cold is None:
+        raise FileNotFoundError(
+            f"nothing to resume: no {state_path} and no stage checkpoint of recipe {recipe.name!r} "
+            f"(looked in {out / STAGE_DIR}" + (f" and {shipped_dir(recipe)})" if recipe.ship_as else ")")
+        )
     # A resumed run takes its weights from the state, so it needs no --init checkpoint.
-    model = (_fresh(recipe) if continuing else make_model(recipe, init)).to(dev)
+    if cold is not None:
+        model = load_model(cold, dtype="float32").train()
+    else:
+        model = (_fresh(recipe) if continuing else make_model(recipe, init))
+    model = model.to(dev)
     spec = ModelSpec.from_config(model.config)
     opt = make_optimizer(model, recipe)
     step, seconds, tokens = 0, 0.0, 0
-    if continuing:
+    stage_seconds: dict[str, float] = {}
+    cold_from: int | None = None
+    if cold is not None:
+        info = read_stage(cold) or {}
+        if info.get("recipe_digest") != recipe.digest():
+            print(f"note: {cold} was trained by recipe digest {info.get('recipe_digest')}, not {recipe.digest()}")
+        step, seconds, tokens = int(info["step"]), float(info["seconds"]), int(info["tokens"])
+        stage_seconds = dict(info.get("stage_seconds", {}))
+        cold_from = step
+        torch.manual_seed(recipe.seed + step)
+        _log(out, {"step": step, "cold_resume": str(cold), "stage": info.get("stage")})
+    elif continuing:
         state = torch.load(state_path, map_location=dev, weights_only=False)
         if state["recipe"] != recipe.name:
             raise ValueError(f"{state_path} belongs to recipe {state['recipe']!r}, not {recipe.name!r}")
@@ -264,6 +389,8 @@ def train(
         opt.load_state_dict(state["optimizer"])
         _set_rng_state(state["rng"])
         step, seconds, tokens = state["step"], state["seconds"], state["tokens"]
+        stage_seconds = dict(state.get("stage_seconds", {}))
+        cold_from = state.get("cold_from")
     else:
         torch.manual_seed(recipe.seed)
     (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")  # what this code runs
@@ -271,6 +398,9 @@ def train(
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
     balance = RouterBalance(model, recipe.router_bias_rate)
     end = recipe.total_steps if max_steps is None else min(max_steps, recipe.total_steps)
+    if stages is not None:
+        ahead = [e for e in recipe.stage_ends if e > step]
+        end = min(end, ahead[min(stages, len(ahead)) - 1] if ahead and stages > 0 else step)
     losses: list[float] = []
     stop = _StopOnSigterm()
     last_save = time.monotonic()
@@ -280,7 +410,7 @@ def train(
             t0 = time.perf_counter()
             phase = recipe.phase_at(step)
             batch = sampler.batch(step)
-            lr = recipe.lr_at(step)
+            lr = rewarmed_lr(recipe, step, cold_from)
             set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
             parts = accumulate_gradients(model, spec, batch, phase, recipe, distill, dev, micro_batch)
@@ -291,6 +421,8 @@ def train(
             tokens += batch.tokens
             dt = time.perf_counter() - t0
             seconds += dt
+            key = str(recipe.stage_at(step - 1))
+            stage_seconds[key] = stage_seconds.get(key, 0.0) + dt
             losses.append(parts["loss"])
             bar.update(1)
             bar.set_postfix(loss=f"{parts['loss']:.3f}", tok_s=f"{batch.tokens / dt:,.0f}", lr=f"{lr:.2e}")
@@ -304,9 +436,26 @@ def train(
                 bar.write(f"step {step}: " + json.dumps(_summary(quick)))
             due = time.monotonic() - last_save >= checkpoint_seconds
             if step % recipe.checkpoint_every == 0 or step == end or due or stop.requested:
-                meta = {"step": step, "seconds": seconds, "tokens": tokens, "recipe": recipe.name}
+                meta = {
+                    "step": step,
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "recipe": recipe.name,
+                    "stage_seconds": stage_seconds,
+                    "cold_from": cold_from,
+                }
                 save_state(state_path, model, opt, meta)
                 last_save = time.monotonic()
+            if step in recipe.stage_ends:
+                stage = recipe.stage_ends.index(step) + 1
+                info = {"stage": stage, "step": step, "tokens": tokens, "seconds": seconds}
+                info["stage_seconds"] = stage_seconds
+                info["final_loss"] = float(np.mean(losses[-20:]))
+                write_stage(model, out / STAGE_DIR, recipe, info)
+                if ship and shipped_dir(recipe) is not None:
+                    ship_stage(out / STAGE_DIR, shipped_dir(recipe))  # type: ignore[arg-type]
+                _log(out, {"step": step, "stage_end": stage, "stage_seconds": stage_seconds[str(stage)]})
+                bar.write(f"stage {stage} ended at step {step}: checkpoint in {out / STAGE_DIR}")
             if stop.requested:
                 bar.write(f"SIGTERM: state saved at step {step}; resume with --resume")
                 break

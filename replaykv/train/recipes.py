@@ -163,6 +163,15 @@ class Recipe:
     final_eval: EvalSpec | None = None
     corpus_files: int | None = None  # None: every stdlib file
     init_from: str | None = None  # recipe whose export initialises this one (--init DIR)
+    # Global steps at which the stages end (increasing, the last one `total_steps`; empty: one
+    # stage). At a stage's end the loop writes a stage checkpoint (bf16 export + stage.json),
+    # the unit that is committed and from which a machine without the full state continues.
+    stages: tuple[int, ...] = ()
+    # After a cold resume (weights from a stage checkpoint, fresh AdamW moments) the schedule's
+    # rate is ramped linearly over this many steps, so the empty moments do not take full steps.
+    rewarmup: int = 25
+    # Package directory (under replaykv/weights/) that this recipe's stage checkpoints go to.
+    ship_as: str | None = None
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -175,6 +184,23 @@ class Recipe:
             raise ValueError("hc_lr_scale must be positive")
         if not self.embed_std > 0:
             raise ValueError("embed_std must be positive")
+        ends = self.stage_ends
+        if any(b <= a for a, b in zip((0, *ends), ends, strict=False)) or ends[-1] != self.total_steps:
+            raise ValueError("stages must be increasing step numbers ending at the recipe's last step")
+        if self.rewarmup < 0:
+            raise ValueError("rewarmup must not be negative")
+
+    @property
+    def stage_ends(self) -> tuple[int, ...]:
+        """The global step at which each stage ends (one stage when `stages` is empty)."""
+        return self.stages or (self.total_steps,)
+
+    def stage_at(self, step: int) -> int:
+        """The 1-based stage that optimiser step `step` (0-based) belongs to."""
+        for i, end in enumerate(self.stage_ends):
+            if step < end:
+                return i + 1
+        return len(self.stage_ends)
 
     @property
     def total_steps(self) -> int:
@@ -296,22 +322,36 @@ def _mixed(
     )
 
 
-def small() -> Recipe:
-    """The shipped base model, sized to train in about 90 minutes on 2 CPU cores (one working
-    session): 400 steps of repeat rows (8 × 256 tokens) that form the copying circuit, 600 steps
-    of the task-heavy mixture at 8 × 512 tokens, then 100 steps of 2 × 4,096 so that 4K contexts
-    are seen in training (4.1M tokens in all). Measured step times on 2 cores: 2.4 s, 5.0 s and
-    about 12 s.
+# Stage boundaries of `small`, each sized for at most 100 minutes of 2 CPU cores (measured step
+# times: 8 × 256 about 2.5 s, 8 × 512 about 4.5 s, 8 × 1,024 about 10.5 s, 4 × 2,048 and
+# 2 × 4,096 about 11-12 s; docs/training.md has the times each stage took).
+SMALL_STAGES = (1200, 2300, 2750, 3200, 3650, 4100, 4550)
 
-    A third of the rows are passkey cases and task answers weigh 50 times a text token: in a
-    run with passkey rows at 18% of the mixture every task still scored 0 after 364 mixture
-    steps, and from that state a mixture with 45% passkey rows reached 12 of 16 held-out keys
-    at 400 tokens within 225 steps (docs/training.md). One row in seven is a copy row from the
-    first mixture step: a run without copy rows, with task answers at weight 1 for its first 550
-    steps and the mHC mixes at the full learning rate, could not yet copy a repeated digit string
-    inside its window at step 700. A run with them but its embeddings and output projections at
-    0.02 (see `Recipe.embed_std`, `Recipe.o_proj_fan_in`) could not copy inside its window at
-    step 800."""
+
+def small() -> Recipe:
+    """The shipped base model, trained in stages of at most 100 minutes on 2 CPU cores, each
+    ending in a committed checkpoint that the next stage continues from (on another machine too):
+
+    ======  =====================================================  ==========
+    stage   steps                                                  rows
+    ======  =====================================================  ==========
+    1       400 repeat rows (the copying circuit), 800 mixture     8 × 256, 8 × 512
+    2       1,100 mixture                                          8 × 512
+    3       450 mixture                                            8 × 1,024
+    4       450 mixture                                            4 × 2,048
+    5-7     450 mixture each                                       2 × 4,096
+    ======  =====================================================  ==========
+
+    Rung 1 (pass keys at every depth of 1K and 2K contexts) is within reach after stage 4, rung 2
+    (4K) after the later ones. A third of the rows are passkey cases and task answers weigh 50
+    times a text token: in a run with passkey rows at 18% of the mixture every task still scored
+    0 after 364 mixture steps, and from that state a mixture with 45% passkey rows reached 12 of
+    16 held-out keys at 400 tokens within 225 steps (docs/training.md). One row in seven is a
+    copy row from the first mixture step: a run without copy rows, with task answers at weight 1
+    for its first 550 steps and the mHC mixes at the full learning rate, could not yet copy a
+    repeated digit string inside its window at step 700. A run with them but its embeddings and
+    output projections at 0.02 (see `Recipe.embed_std`, `Recipe.o_proj_fan_in`) could not copy
+    inside its window at step 800."""
     return Recipe(
         name="small",
         preset="v41-small",
@@ -324,14 +364,18 @@ def small() -> Recipe:
                 mixture=INDUCTION_MIXTURE,
                 copy_weight=COPY_WEIGHT,
             ),
-            _mixed("base", steps=600, seq_len=512, batch=8),
-            _mixed("long", steps=100, seq_len=4096, batch=2, micro_batch=1),
+            _mixed("base", steps=1900, seq_len=512, batch=8),
+            _mixed("1k", steps=450, seq_len=1024, batch=8, micro_batch=4),
+            _mixed("2k", steps=450, seq_len=2048, batch=4, micro_batch=2),
+            _mixed("4k", steps=1350, seq_len=4096, batch=2, micro_batch=1),
         ),
         lr=2e-3,
         min_lr=2e-4,
         warmup=100,
         quick_eval=_SMALL_QUICK,
         final_eval=_SMALL_EVAL,
+        stages=SMALL_STAGES,
+        ship_as="small",
     )
 
 
@@ -352,6 +396,7 @@ def adapt() -> Recipe:
         quick_eval=_SMALL_QUICK,
         final_eval=_SMALL_EVAL,
         init_from="small",
+        ship_as="small-adapted",
     )
 
 
