@@ -44,13 +44,31 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "small"
 """Where a trained model shipped with the package lives (config.json + safetensors), if any."""
 
 
+def bundled_model_ships(directory: Path | None = None) -> bool:
+    """Whether `directory` holds a model that is served by default: a checkpoint whose stage.json
+    (written by `replaykv train`) records that it met the shipping bar (``"rung"`` ≥ 1). A stage
+    checkpoint below the bar is committed there so that training continues on another machine,
+    but is served only when named with --model. `directory` defaults to the package's."""
+    directory = BUNDLED_MODEL_DIR if directory is None else directory
+    if not (directory / "config.json").is_file():
+        return False
+    stage = directory / "stage.json"
+    if not stage.is_file():
+        return True
+    try:
+        rung = json.loads(stage.read_text()).get("rung")
+    except (OSError, ValueError):
+        return False
+    return isinstance(rung, int) and rung >= 1
+
+
 def model_to_load(model: str | None, preset_named: bool) -> Path | None:
     """The model directory a command loads: `model` when given, else the model shipped inside
-    the package unless a preset was named (a named preset means random weights of that shape);
-    None means the preset."""
+    the package (see :func:`bundled_model_ships`) unless a preset was named (a named preset
+    means random weights of that shape); None means the preset."""
     if model:
         return Path(model)
-    if preset_named or not (BUNDLED_MODEL_DIR / "config.json").is_file():
+    if preset_named or not bundled_model_ships():
         return None
     return BUNDLED_MODEL_DIR
 

@@ -221,3 +221,19 @@ def test_a_named_preset_wins_over_the_bundled_model(tmp_path: Path, monkeypatch:
     assert settings_module.model_to_load(None, preset_named=False) == bundled
     assert settings_module.model_to_load(None, preset_named=True) is None
     assert settings_module.model_to_load(str(tmp_path), preset_named=True) == tmp_path
+
+
+def test_a_stage_checkpoint_below_the_bar_is_not_served_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bundled = tmp_path / "weights" / "small"
+    bundled.mkdir(parents=True)
+    monkeypatch.setattr(settings_module, "BUNDLED_MODEL_DIR", bundled)
+    (bundled / "config.json").write_text("{}")
+    (bundled / "stage.json").write_text('{"recipe": "small", "stage": 1, "rung": null}')
+    assert load_settings([], environ={}).model_dir is None  # committed to continue training only
+    assert load_settings(["--model", str(bundled)], environ={}).model_dir == bundled
+    (bundled / "stage.json").write_text('{"recipe": "small", "stage": 4, "rung": 1}')
+    assert load_settings([], environ={}).model_dir == bundled
+    (bundled / "stage.json").write_text("not json")
+    assert settings_module.model_to_load(None, preset_named=False) is None
