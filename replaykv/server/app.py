@@ -14,8 +14,9 @@ Only a fault of the server itself is a 5xx.
 
 Authentication runs before anything reads the body (an ASGI gate in front of the router): the
 ``Authorization: Bearer`` key picks the tenant, and the tenant's salt goes into the engine
-request. The client never names a tenant or a salt. A client that disconnects (streaming or
-not) cancels its engine request.
+request. The client never names a tenant or a salt. The gate then reads the body, counting
+bytes as they arrive, and answers 413 at the limit whether the client sent `Content-Length` or a
+chunked body. A client that disconnects (streaming or not) cancels its engine request.
 
 Not for: reading settings (:mod:`replaykv.server.settings`), rendering chat
 (:mod:`replaykv.server.chat`) or anything the engine does.
@@ -56,7 +57,7 @@ from replaykv.server import schemas
 from replaykv.server.chat import ChatTemplate, ChatTemplateError
 from replaykv.server.metrics import HttpMetrics
 from replaykv.server.settings import DEFAULT_TENANT, ServerSettings, tenant_salt
-from replaykv.tokenizer import ByteTokenizer
+from replaykv.tokenizer import load_tokenizer
 
 log = logging.getLogger("replaykv.server")
 
@@ -167,11 +168,17 @@ class _Gate:
         self.metrics.in_flight.inc()
         try:
             verdict = self._check(scope)
+            body = None
+            if not isinstance(verdict, ApiError):
+                body = await _read_body(receive, self.settings.max_request_bytes)
             if isinstance(verdict, ApiError):
                 await verdict.response()(scope, receive, send_status)
+            elif body is None:
+                too_large = f"the body is over {self.settings.max_request_bytes} bytes"
+                await ApiError(413, too_large, code="too_large").response()(scope, receive, send_status)
             else:
                 scope.setdefault("state", {})["tenant"] = verdict
-                await self.app(scope, receive, send_status)
+                await self.app(scope, _replay_body(body, receive), send_status)
         finally:
             self.metrics.in_flight.dec()
             label = getattr(scope.get("route"), "path", None)
@@ -180,6 +187,43 @@ class _Gate:
             if scope.get("state", {}).get("client_gone"):
                 status[0] = CLIENT_GONE
             self.metrics.observe(label, scope["method"], status[0], time.perf_counter() - t0)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, counted as it arrives; None as soon as it passes `limit` bytes.
+
+    The count is of bytes received, whatever `Content-Length` or `Transfer-Encoding` say, so a
+    chunked body cannot grow past the limit in memory. A client that disconnects mid-body gives
+    the bytes so far (the router then sees the disconnect on its next receive).
+    """
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+def _replay_body(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the buffered body over once, then waits on the connection."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -264,7 +308,7 @@ class _Service:
 
     def __init__(self, engine: EngineAPI, settings: ServerSettings, metrics: HttpMetrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
-        self.tokenizer = ByteTokenizer.load(settings.model_dir) if settings.model_dir else ByteTokenizer()
+        self.tokenizer = load_tokenizer(settings.model_dir)
         self.template = ChatTemplate.load(settings.model_dir)
         self.model_name = settings.model_name or engine.model_name
 

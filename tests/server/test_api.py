@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from typing import Any
 
@@ -351,3 +352,49 @@ def test_disconnect_cancels_the_request(live: LiveServer, fake: FakeEngine) -> N
         httpx.post(live.url + C, json={**body, "stream": False}, headers=headers, timeout=0.3)
     assert _wait(lambda: fake.handles[1].cancelled.is_set()), "a dropped request must be cancelled"
     assert not fake.handles[1].done.is_set()
+
+
+def _chunked_upload(live: LiveServer, total: int, chunk: int = 64 * 1024) -> bytes:
+    """POST `total` bytes as a chunked body without its closing chunk; what the server answered.
+
+    The server must answer before the body ends: one that waits for the whole body never does.
+    """
+    head = (
+        f"POST {C} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    piece = f"{chunk:x}\r\n".encode() + b"x" * chunk + b"\r\n"
+    with socket.create_connection(("127.0.0.1", live.port), timeout=30) as sock:
+        sock.sendall(head)
+        sent = 0
+        try:
+            while sent < total:
+                sock.sendall(piece)
+                sent += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer) < answer.index(b"\r\n\r\n") + 4 + _length(answer):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    return answer
+
+
+def _length(answer: bytes) -> int:
+    m = re.search(rb"content-length: *(\d+)", answer, re.IGNORECASE)
+    return int(m.group(1)) if m else 0
+
+
+def test_chunked_body_over_the_limit_is_413_before_it_ends() -> None:
+    with LiveServer(FakeEngine(), ServerSettings(max_request_bytes=100_000)) as live:
+        answer = _chunked_upload(live, total=1_000_000)
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.split()[1] == b"413", answer[:200]
+        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert body["error"]["code"] == "too_large"
+        small = {"model": MODEL, "prompt": "x" * 100, "max_tokens": 1}
+        chunks = iter([json.dumps(small).encode()])
+        r = httpx.post(live.url + C, content=chunks, headers={"Content-Type": "application/json"}, timeout=10)
+        assert r.status_code == 200, r.text
