@@ -8,11 +8,14 @@ its environment variable ``REPLAYKV_`` + the name in capitals, its config-file k
 with underscores or dashes. Booleans take ``--enable-X`` / ``--disable-X`` flags and
 ``1/0, true/false, yes/no, on/off`` in the environment.
 
-API keys: ``--api-key KEY=TENANT`` (repeatable; a bare ``KEY`` means tenant ``default``),
-``REPLAYKV_API_KEY="k1=alice,k2=bob"``, or ``api_key: {k1: alice, k2: bob}`` in the file.
-With no key configured the server runs without authentication and every request is tenant
-``default``. A tenant's cache salt is derived here from the tenant *name* (never from anything
-a client sends), so the same tenant hits its own cache across restarts and machines.
+API keys: ``--api-key KEY=TENANT`` (repeatable), ``REPLAYKV_API_KEY="k1=alice,k2=bob"``, or
+``api_key: {k1: alice, k2: bob}`` in the file. A bare ``KEY`` is a tenant of its own, named
+``key-`` + the first 16 hex digits of the key's SHA-256 (:func:`key_tenant`), so it never sees
+what was cached without authentication. With no key configured the server runs without
+authentication and every request is tenant ``default``; a key shares that tenant only when
+mapped to it explicitly (``KEY=default``). A tenant's cache salt is derived here from the
+tenant *name* (never from anything a client sends), so the same tenant hits its own cache
+across restarts and machines.
 
 Engine options left unset keep the engine's own defaults (:class:`EngineConfig`'s).
 
@@ -106,6 +109,15 @@ def _to_str(raw: Any) -> str:
     return str(raw)
 
 
+def key_tenant(key: str) -> str:
+    """The tenant of a key given without one: ``key-`` + 16 hex digits of its SHA-256.
+
+    A digest, so the key itself never shows in logs or metrics; distinct keys get distinct
+    tenants, none of them ``default``.
+    """
+    return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def _to_keys(raw: Any) -> tuple[tuple[str, str], ...]:
     """API keys as ``((key, tenant), ...)`` from a mapping, a list of "KEY=TENANT", or "k=t,k2=t2"."""
     if isinstance(raw, Mapping):
@@ -115,7 +127,7 @@ def _to_keys(raw: Any) -> tuple[tuple[str, str], ...]:
         items = []
         for part in parts:
             key, sep, tenant = str(part).strip().partition("=")
-            items.append((key.strip(), tenant.strip() if sep else DEFAULT_TENANT))
+            items.append((key.strip(), tenant.strip() if sep else key_tenant(key.strip())))
     seen: dict[str, str] = {}
     for key, tenant in items:
         if not key or not tenant:
@@ -158,7 +170,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", _to_str, None, "model directory (config.json + safetensors); default: --preset when given, else the bundled model"),
     Option("preset", _to_str, "small", "preset with random weights; used when given without --model, or when no model is bundled"),
     Option("served_model_name", _to_str, None, "model name in the API (default: the engine's model name)"),
-    Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable; none = no authentication, tenant 'default')", metavar="KEY=TENANT"),
+    Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable); a bare KEY is its own tenant 'key-<sha256 prefix>', and shares tenant 'default' (the one without authentication) only as KEY=default; none = no authentication, tenant 'default'", metavar="KEY[=TENANT]"),
     Option("admin_key", _to_str, None, "bearer key of the /admin endpoints (unset = admin endpoints refused)"),
     Option("log_level", _to_str, "info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")),
     Option("enable_encoder_swa_bounded_replay", _to_bool, True, "on a window-snapshot miss replay the last W tokens (off: the exact rebuild)"),

@@ -238,3 +238,24 @@ def test_logprobs_match_the_engine_and_streaming(tmp_path: Path, servers: list[L
     for t in content:
         assert t.bytes and (len(t.bytes) > 1 or tok.token_text(t.bytes[0]) == t.token)
     assert c.chat.completions.create(messages=msgs, **kw).choices[0].logprobs is None
+
+
+def test_a_bare_api_key_does_not_share_the_unauthenticated_tenant(
+    tmp_path: Path, servers: list[LiveServer]
+) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Tell me about sliding windows. " * 10}]
+    cache = tmp_path / "cache"
+    open_run = start(cache)
+    first = chat(open_run, "anything", messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert chat(open_run, "anything", messages).usage.prompt_tokens_details.cached_tokens > 0
+    stop(open_run)
+    keyed = start(cache, "--api-key", "solo")
+    servers.append(keyed)
+    assert chat(keyed, "solo", messages).usage.prompt_tokens_details.cached_tokens == 0
+    assert chat(keyed, "solo", messages).usage.prompt_tokens_details.cached_tokens > 0
+    servers.remove(keyed)
+    stop(keyed)
+    shared = start(cache, "--api-key", "solo=default")
+    servers.append(shared)
+    assert chat(shared, "solo", messages).usage.prompt_tokens_details.cached_tokens > 0

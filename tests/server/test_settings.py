@@ -11,9 +11,11 @@ import pytest
 from replaykv.server import settings as settings_module
 from replaykv.server import usage_text
 from replaykv.server.settings import (
+    DEFAULT_TENANT,
     OPTIONS,
     SettingsError,
     build_parser,
+    key_tenant,
     load_settings,
     tenant_salt,
 )
@@ -71,7 +73,13 @@ def test_replay_switches_from_every_source(tmp_path: Path) -> None:
 
 def test_api_keys_forms() -> None:
     s = load_settings(["--api-key", "k1=alice", "--api-key", "k2=bob", "--api-key", "solo"], environ={})
-    assert s.server().api_keys == {"k1": "alice", "k2": "bob", "solo": "default"}
+    assert s.server().api_keys == {"k1": "alice", "k2": "bob", "solo": key_tenant("solo")}
+    assert key_tenant("solo").startswith("key-") and key_tenant("solo") != key_tenant("duo")
+    assert "solo" not in key_tenant("solo") and DEFAULT_TENANT not in s.server().api_keys.values()
+    s = load_settings(["--api-key", "solo=default"], environ={})
+    assert s.server().api_keys == {"solo": DEFAULT_TENANT}
+    help_text = " ".join(build_parser().format_help().split())
+    assert "a bare KEY is its own tenant" in help_text and "only as KEY=default" in help_text
     s = load_settings([], environ={"REPLAYKV_API_KEY": "k1=alice, k2=bob"})
     assert s.server().api_keys == {"k1": "alice", "k2": "bob"}
     with pytest.raises(SettingsError, match="two tenants"):
