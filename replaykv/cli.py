@@ -87,10 +87,10 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from replaykv.engine.oneshot import greedy_generate
-    from replaykv.tokenizer import ByteTokenizer
+    from replaykv.tokenizer import load_tokenizer
 
     model, random_weights = _load(args)
-    tok = ByteTokenizer.load(args.model) if args.model else ByteTokenizer()
+    tok = load_tokenizer(args.model)
     if random_weights:
         print(f"note: preset {args.preset!r} with RANDOM weights; the text below is noise.")
     ids = tok.encode(args.prompt, bos=True)

@@ -85,7 +85,7 @@ from replaykv.replay import (
     check_request_options,
     plan_prefill,
 )
-from replaykv.tokenizer import ByteTokenizer
+from replaykv.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["Engine", "EngineHandle", "generate"]
 
@@ -253,7 +253,7 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer]:
+def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer | HFTokenizer]:
     from replaykv.model.checkpoint import build_model, cast_model, load_config, load_model, parse_dtype
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
@@ -264,7 +264,7 @@ def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer]:
             model_config = model_config.replace(kv_quant=config.kv_quant)
         model = load_model(config.model_dir, device=config.device, dtype=config.dtype, config=model_config)
         name = config.model_name or Path(config.model_dir).name
-        return model, name, ByteTokenizer.load(config.model_dir)
+        return model, name, load_tokenizer(config.model_dir)
     model_config = get_preset(config.preset)
     if config.kv_quant is not None:
         model_config = model_config.replace(kv_quant=config.kv_quant)

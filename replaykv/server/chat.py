@@ -1,4 +1,9 @@
-"""The chat template: chat messages → prompt token ids with the byte tokenizer's specials.
+"""Chat templates: chat messages → prompt token ids, with the tokenizer's specials.
+
+A model directory's template, first found of: ``chat_template.json`` (ours, below),
+``chat_template.jinja``, the ``chat_template`` of ``tokenizer_config.json`` (the Jinja templates
+every Hugging Face model ships, rendered as transformers' ``apply_chat_template`` does:
+:class:`JinjaChatTemplate`), else the built-in one.
 
 The built-in template (the same as the shipped ``chat_template.json``)::
 
@@ -23,11 +28,18 @@ types ``<|end|>`` gets those seven bytes, never the special token, so content ca
 turn boundary. A turn-N conversation renders as the turn-(N-1) prompt followed by the answer
 and the new messages, so its prefix is what the earlier turn cached.
 
+A Jinja template is rendered with each message's content replaced by a placeholder; the text
+around the placeholders is tokenized with specials recognised, each content as plain text, so
+content cannot forge a turn boundary there either. (A template that rewrites content beyond
+recognition of the placeholder is rendered with the real content, specials recognised, as
+transformers does.)
+
 Not for: tokenizing anything but chat (see :mod:`replaykv.tokenizer`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -35,10 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replaykv.tokenizer import ByteTokenizer
+from replaykv.tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, Tokenizer
 
 TEMPLATE_FILE = "chat_template.json"
+JINJA_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_FORMAT = "replaykv.chat_template.v1"
+_PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
 
 
 class ChatTemplateError(ValueError):
@@ -94,19 +108,18 @@ class ChatTemplate:
         return cls(bos, pairs, gen, tuple(stop))
 
     @classmethod
-    def load(cls, model_dir: str | Path | None) -> ChatTemplate:
-        """The model directory's ``chat_template.json`` when it has one, else the built-in template."""
+    def load(cls, model_dir: str | Path | None) -> ChatTemplate | JinjaChatTemplate:
+        """The model directory's template (the order in the module docstring), else the built-in."""
         if model_dir is not None:
             path = Path(model_dir) / TEMPLATE_FILE
             if path.is_file():
-                try:
-                    raw = json.loads(path.read_text())
-                except (OSError, json.JSONDecodeError) as e:
-                    raise ChatTemplateError(f"{path}: {e}") from e
-                return cls.from_dict(raw, str(path))
+                return cls.from_dict(_read_json(path), str(path))
+            jinja = JinjaChatTemplate.load(model_dir)
+            if jinja is not None:
+                return jinja
         return BUILTIN_TEMPLATE
 
-    def render(self, messages: Sequence[tuple[str, str]], tokenizer: ByteTokenizer) -> list[int]:
+    def render(self, messages: Sequence[tuple[str, str]], tokenizer: Tokenizer) -> list[int]:
         """Prompt ids of `messages` [(role, content), ...] followed by the generation prompt."""
         if not messages:
             raise ChatTemplateError("messages must hold at least one message", "messages")
@@ -123,20 +136,132 @@ class ChatTemplate:
             ids += _encode_template(after, tokenizer)
         return ids + _encode_template(self.generation_prompt, tokenizer)
 
-    def stop_token_ids(self, tokenizer: ByteTokenizer) -> tuple[int, ...]:
+    def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """Stop entries that name a special of `tokenizer`, as ids."""
         return tuple(tokenizer.special_ids[s] for s in self.stop if s in tokenizer.special_ids)
 
-    def stop_strings(self, tokenizer: ByteTokenizer) -> tuple[str, ...]:
+    def stop_strings(self, tokenizer: Tokenizer) -> tuple[str, ...]:
         """The other stop entries: matched on the generated text."""
         return tuple(s for s in self.stop if s not in tokenizer.special_ids)
 
 
-def _encode_template(text: str, tokenizer: ByteTokenizer) -> list[int]:
+@dataclass(frozen=True)
+class JinjaChatTemplate:
+    """A Hugging Face Jinja chat template. `variables`: the special-token names of
+    ``tokenizer_config.json`` (``bos_token``, ``eos_token``, …) the template may use; `stop`: the
+    token names generation stops on (``eos_token`` and ``generation_config.json``'s ids)."""
+
+    source: str
+    variables: Mapping[str, str]
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> JinjaChatTemplate | None:
+        """The Jinja template of a model directory, None when it has none."""
+        directory = Path(model_dir)
+        config_path = directory / TOKENIZER_CONFIG_FILE
+        config = _read_json(config_path) if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ChatTemplateError(f"{config_path}: expected a JSON object")
+        source: Any = config.get("chat_template")
+        if (directory / JINJA_TEMPLATE_FILE).is_file():
+            source = (directory / JINJA_TEMPLATE_FILE).read_text()
+        if isinstance(source, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if source is None:
+            return None
+        if not isinstance(source, str):
+            raise ChatTemplateError(f"{config_path}: chat_template must be a string or a list of named templates")
+        variables: dict[str, str] = {}
+        for key, value in config.items():
+            name = value.get("content") if isinstance(value, dict) else value
+            if key.endswith("_token") and isinstance(name, str):
+                variables[key] = name
+        stop = (variables["eos_token"],) if "eos_token" in variables else ()
+        stop_ids: tuple[int, ...] = ()
+        generation_path = directory / GENERATION_CONFIG_FILE
+        if generation_path.is_file():
+            eos = _read_json(generation_path).get("eos_token_id")
+            stop_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+        template = cls(source, variables, stop, stop_ids)
+        template._compiled()  # a syntax error is reported at load time
+        return template
+
+    def _compiled(self) -> Any:
+        return _compile_jinja(self.source)
+
+    def render_text(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt as text, as transformers' ``apply_chat_template(..., tokenize=False)``."""
+        import jinja2
+
+        listed = [{"role": role, "content": content} for role, content in messages]
+        try:
+            return str(
+                self._compiled().render(
+                    messages=listed, add_generation_prompt=add_generation_prompt, **self.variables
+                )
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(str(e), "messages") from e
+
+    def render(self, messages: Sequence[tuple[str, str]], tokenizer: Tokenizer) -> list[int]:
+        """Prompt ids of `messages` [(role, content), ...] followed by the generation prompt."""
+        if not messages:
+            raise ChatTemplateError("messages must hold at least one message", "messages")
+        held = [(role, f"\ue000{i}\ue001") for i, (role, _) in enumerate(messages)]
+        text = self.render_text(held)
+        pieces = _PLACEHOLDER.split(text)
+        if sorted(int(i) for i in pieces[1::2]) != list(range(len(messages))):
+            return _encode_template(self.render_text(messages), tokenizer)
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            ids += tokenizer.encode(messages[int(piece)][1]) if k % 2 else _encode_template(piece, tokenizer)
+        return ids
+
+    def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        named = tuple(tokenizer.special_ids[s] for s in self.stop if s in tokenizer.special_ids)
+        return tuple(dict.fromkeys((*self.stop_ids, *named)))
+
+    def stop_strings(self, tokenizer: Tokenizer) -> tuple[str, ...]:
+        return ()
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_jinja(source: str) -> Any:
+    """`source` compiled in the environment transformers renders chat templates in."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template: {e}") from e
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ChatTemplateError(f"{path}: {e}") from e
+
+
+def _encode_template(text: str, tokenizer: Tokenizer) -> list[int]:
     """Template text → ids: special names become special ids, everything else UTF-8 bytes."""
     if not text:
         return []
-    pattern = "(" + "|".join(re.escape(s) for s in tokenizer.specials) + ")"
+    if not tokenizer.specials:
+        return tokenizer.encode(text)
+    longest_first = sorted(tokenizer.specials, key=len, reverse=True)
+    pattern = "(" + "|".join(re.escape(s) for s in longest_first) + ")"
     ids: list[int] = []
     for piece in re.split(pattern, text):
         if piece in tokenizer.special_ids:
