@@ -24,11 +24,9 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     found = model_to_load(args.model, getattr(args, "preset", None) is not None)
     args.model = str(found) if found is not None else None
     if args.model:
-        config = None
-        if quant is not None:
-            from replaykv.model.checkpoint import load_config
+        from replaykv.model.checkpoint import load_config
 
-            config = load_config(args.model).replace(kv_quant=quant)
+        config = load_config(args.model, kv_quant=quant)
         return load_model(args.model, device=args.device, dtype=args.dtype, config=config), False
     from replaykv.model.checkpoint import build_model
     from replaykv.model.init import init_weights

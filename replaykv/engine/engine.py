@@ -259,9 +259,7 @@ def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer | HFToke
     from replaykv.model.presets import get_preset
 
     if config.model_dir is not None:
-        model_config = load_config(config.model_dir)
-        if config.kv_quant is not None:
-            model_config = model_config.replace(kv_quant=config.kv_quant)
+        model_config = load_config(config.model_dir, kv_quant=config.kv_quant)
         model = load_model(config.model_dir, device=config.device, dtype=config.dtype, config=model_config)
         name = config.model_name or Path(config.model_dir).name
         return model, name, load_tokenizer(config.model_dir)

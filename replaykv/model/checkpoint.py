@@ -158,18 +158,23 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_config(model_dir: str | Path) -> AnyConfig:
-    """DeepSeek-V4 or V4.1 config from `config.json`, chosen by its model_type."""
+def load_config(model_dir: str | Path, kv_quant: bool | None = None) -> AnyConfig:
+    """DeepSeek-V4 or V4.1 config from `config.json`, chosen by its model_type.
+
+    `kv_quant` (None: as the config says) is applied before the config is validated.
+    """
     raw: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
-    return config_from_dict(raw)
+    return config_from_dict(raw, kv_quant)
 
 
-def config_from_dict(raw: dict[str, Any]) -> AnyConfig:
+def config_from_dict(raw: dict[str, Any], kv_quant: bool | None = None) -> AnyConfig:
     model_type = raw.get("model_type")
+    overrides = {} if kv_quant is None else {"kv_quant": kv_quant}
     if model_type == "deepseek_v4":
-        return DeepseekV4Config.from_dict(raw)
+        config = DeepseekV4Config.from_dict(raw)
+        return config if kv_quant is None else config.replace(kv_quant=kv_quant)
     if model_type in ("deepseek_v41", "deepseek_v41_text"):
-        return DeepseekV41Config.from_dict(raw)
+        return DeepseekV41Config.from_dict(raw, overrides=overrides)
     raise ValueError(
         f"config model_type {model_type!r} is not supported; expected deepseek_v4, deepseek_v41 or deepseek_v41_text"
     )

@@ -19,6 +19,13 @@ Engram and DSpark fields are accepted with their transformers names (and NeMo's
 :class:`NotImplementedError`. ``from_dict(..., backbone_only=True)`` switches both off, which is
 enough for byte accounting of the released checkpoint's backbone (Engram adds no KV entries).
 
+The KV fake-quantisers (``kv_quant``) need ``head_dim`` and ``index_head_dim`` in whole
+quantiser blocks. Loading a config.json (`from_dict`) applies the caller's overrides (a
+``--kv-quant`` flag) before any validation; a config that asks for no quantisation
+(``"kv_quant": false``), or whose shape cannot be quantised while nothing asked for the
+quantisers, loads unquantised with a warning naming the reason, as transformers runs it.
+Asking for them explicitly on such a shape is an error.
+
 Not for: cache sizing (see :mod:`replaykv.model.accounting`) or the V4 model
 (:mod:`replaykv.model.config`).
 """
@@ -28,7 +35,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +88,25 @@ _POSITIVE_INT_FIELDS = (
     "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "hc_mult",
     "hc_sinkhorn_iters", "max_position_embeddings",
 )  # fmt: skip
+
+
+log = logging.getLogger(__name__)
+
+
+def unquantisable(head_dim: int, index_head_dim: int) -> str | None:
+    """Why the KV quantisers cannot run on these widths, or None when they can."""
+    head_block = math.lcm(FP8_WINDOW_ENTRY.block, FP4_COMPRESSED_ENTRY.block)
+    if head_dim % head_block:
+        return (
+            f"head_dim ({head_dim}) is not a multiple of {head_block} (FP8 window blocks of "
+            f"{FP8_WINDOW_ENTRY.block}, FP4 entry blocks of {FP4_COMPRESSED_ENTRY.block} channels)"
+        )
+    if index_head_dim % MXFP4_INDEX_KEY.block:
+        return (
+            f"index_head_dim ({index_head_dim}) is not a multiple of {MXFP4_INDEX_KEY.block} "
+            "(MXFP4 index-key blocks)"
+        )
+    return None
 
 
 def hf_default_compress_ratios(num_hidden_layers: int) -> tuple[int, ...]:
@@ -261,18 +289,9 @@ class DeepseekV41Config:
                 f"({self.index_head_dim}): RoPE rotates the trailing channels of both"
             )
         if self.kv_quant:
-            head_block = math.lcm(FP8_WINDOW_ENTRY.block, FP4_COMPRESSED_ENTRY.block)
-            if self.head_dim % head_block:
-                raise ValueError(
-                    f"head_dim ({self.head_dim}) must be a multiple of {head_block} when kv_quant is on "
-                    f"(FP8 window blocks of {FP8_WINDOW_ENTRY.block}, FP4 entry blocks of "
-                    f"{FP4_COMPRESSED_ENTRY.block} channels); change head_dim or set kv_quant=False"
-                )
-            if self.index_head_dim % MXFP4_INDEX_KEY.block:
-                raise ValueError(
-                    f"index_head_dim ({self.index_head_dim}) must be a multiple of {MXFP4_INDEX_KEY.block} "
-                    f"when kv_quant is on (MXFP4 index-key blocks); change it or set kv_quant=False"
-                )
+            reason = unquantisable(self.head_dim, self.index_head_dim)
+            if reason is not None:
+                raise ValueError(f"kv_quant is on but {reason}; change the width or set kv_quant=False")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed n_routed_experts "
@@ -519,12 +538,20 @@ class DeepseekV41Config:
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, backbone_only: bool = False) -> DeepseekV41Config:
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        *,
+        backbone_only: bool = False,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> DeepseekV41Config:
         """Load a flat or composite transformers config (see the module docstring).
 
         Absent keys take transformers' defaults. ``backbone_only=True`` switches Engram and DSpark
         off and drops the DSpark layers' trailing `compress_ratios` entries, which is what byte
-        accounting of the released checkpoint needs.
+        accounting of the released checkpoint needs. `overrides` (field → value) replace the
+        file's values before validation. With ``kv_quant`` off in the file, or unset everywhere
+        on a shape the quantisers cannot take, the config loads unquantised with a warning.
         """
         d = dict(raw)
         model_type = d.pop("model_type", FLAT_MODEL_TYPE)
@@ -565,11 +592,13 @@ class DeepseekV41Config:
                 f"config model_type is {model_type!r}; this loader reads {FLAT_MODEL_TYPE!r} (flat) or "
                 f"{COMPOSITE_MODEL_TYPE!r} (composite)"
             )
-        return cls._from_text_dict(d, backbone_only=backbone_only)
+        return cls._from_text_dict(d, backbone_only=backbone_only, overrides=overrides or {})
 
     @classmethod
-    def _from_text_dict(cls, raw: dict[str, Any], *, backbone_only: bool) -> DeepseekV41Config:
-        d = dict(raw)
+    def _from_text_dict(
+        cls, raw: dict[str, Any], *, backbone_only: bool, overrides: Mapping[str, Any]
+    ) -> DeepseekV41Config:
+        d = {**raw, **overrides}
         if "engram_pad_token_id" in d:  # NeMo's name
             d.setdefault("engram_pad_id", d["engram_pad_token_id"])
             d.pop("engram_pad_token_id")
@@ -614,6 +643,7 @@ class DeepseekV41Config:
             raise ValueError(f"unknown DeepSeek-V4.1 config fields: {unknown}")
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["rope_main"], kwargs["rope_compress"] = main, compress
+        _choose_kv_quant(kwargs, cls, from_file="kv_quant" in raw and "kv_quant" not in overrides)
         config = cls(**kwargs)
         if layer_types is not None and tuple(layer_types) != config.layer_types:
             raise ValueError(
@@ -656,3 +686,19 @@ class DeepseekV41Config:
             {**self.to_dict(), "kv_quant": self.kv_quant}, sort_keys=True, separators=(",", ":")
         )
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _choose_kv_quant(kwargs: dict[str, Any], cls: type[DeepseekV41Config], *, from_file: bool) -> None:
+    """Set ``kv_quant`` in `kwargs` when the file asks for none or the shape forbids it, saying why."""
+    head_dim = kwargs.get("head_dim", cls.head_dim)
+    index_head_dim = kwargs.get("index_head_dim", cls.index_head_dim)
+    if "kv_quant" in kwargs:
+        if from_file and not kwargs["kv_quant"]:
+            log.warning("config.json sets kv_quant false: loading the model without the KV quantisers")
+        return
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (head_dim, index_head_dim)):
+        return  # the field checks name the bad width
+    reason = unquantisable(head_dim, index_head_dim)
+    if reason is not None:
+        log.warning("loading the model without the KV quantisers: %s", reason)
+        kwargs["kv_quant"] = False
