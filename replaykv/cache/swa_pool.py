@@ -321,7 +321,8 @@ class RedisSwaPool(SwaPool):
     pool stops calling Redis for ``retry_after_s`` (each call is then an immediate miss) and
     reconnects on the next call after that. Socket timeouts bound each call's waits
     (``socket_timeout_s`` per read/write, ``connect_timeout_s`` per connect; one reconnect
-    retry on a dropped connection).
+    retry on a dropped connection). ``clock`` stamps put times (wall time, shared with other
+    writers); ``circuit_clock`` times the pause after an error (monotonic).
 
     ``bytes_resident``/``entries`` are not tracked (Redis evicts on its own); ``stats()``
     adds ``used_memory`` and ``keys`` from Redis when it answers.
@@ -342,6 +343,7 @@ class RedisSwaPool(SwaPool):
         retry_after_s: float = 1.0,
         max_value_bytes: int = 512 * 1024 * 1024,
         clock: Callable[[], float] = time.time,
+        circuit_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import redis
         from redis.backoff import NoBackoff
@@ -360,6 +362,7 @@ class RedisSwaPool(SwaPool):
         self.retry_after_s = retry_after_s
         self.max_value_bytes = max_value_bytes
         self._clock = clock
+        self._circuit_clock = circuit_clock
         options: dict[str, Any] = dict(
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
@@ -391,7 +394,7 @@ class RedisSwaPool(SwaPool):
         return f"{self.key_prefix}{{{key_hex(key)}}}"
 
     def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._circuit_clock() >= self._down_until
 
     def _classify(self, exc: BaseException) -> str:
         """Count the error and open the circuit for connection trouble; returns its kind."""
@@ -405,7 +408,7 @@ class RedisSwaPool(SwaPool):
             kind = type(exc).__name__
         if kind in ("timeout", "connection"):
             with self._down_lock:
-                self._down_until = time.monotonic() + self.retry_after_s
+                self._down_until = self._circuit_clock() + self.retry_after_s
         self.metrics.errors.inc(kind)
         return kind
 
