@@ -18,19 +18,29 @@ On-disk layout under ``root``::
 
     packs/ab/<32-hex pack id>.pack             published packs (ab: the id's first byte)
     packs/ab/<32-hex pack id>.dead             records dropped from that pack (key, offset)
+    packs/ab/<32-hex pack id>.idx              offsets of that pack's durable batches
     packs/ab/.<id>.<pid>.<rand>.tmp            a pack being written (or an orphan after a crash)
     quarantine/<key hex>.<reason>.<ns>.kv      a bad entry's bytes, never read again
-    quarantine/<pack id>.<reason>.<ns>.pack    a pack whose first batch could not be trusted
+    quarantine/<pack id>.<reason>.<ns>.pack    a pack none of whose batches could be trusted
+    quarantine/<pack id>.<offset>.<reason>.<ns>.batch   a damaged batch's bytes
+    quarantine/<pack id>.missing.<ns>.idx      the index of a pack that was gone
 
-A pack is one or more batches back to back. A batch is a head (:data:`PACK_BATCH`: its length),
-its records (:data:`PACK_RECORD` header + payload each), its table (:data:`PACK_TABLE_ROW`: key,
-offset, length and XXH3-64 of each payload) and a tail (:data:`PACK_TAIL`) that covers the
-table with a CRC. The start-up scan walks the batches from the front, reading heads, tails and
-tables only; it stops at the first batch that does not check out (one a crash cut short
-mid-append: its bytes stay dead, that pack takes no more batches, and ``stats()["cut_batches"]``
-counts it). A read checks the
-payload against the table's digest (a damaged payload is a miss and is quarantined; the record
-header is not needed to serve it); ``verify`` checks headers and payloads against the tables.
+A pack is one or more batches back to back. A batch is a head (:data:`PACK_BATCH`: its length
+and the pack's id), its records (:data:`PACK_RECORD` header + payload each), its table
+(:data:`PACK_TABLE_ROW`: key, offset, length and XXH3-64 of each payload) and a tail
+(:data:`PACK_TAIL`) that covers the table with a CRC. The start-up scan walks the batches from
+the front, reading heads, tables and tails only. Past a batch that does not check out it
+searches on for the next batch head that does, so damage costs only the damaged batch: its bytes
+are copied to ``quarantine/`` and tombstoned, the batches around it are served, and
+``stats()["corrupt_batches"]`` counts it (an error is logged). A crash can only cut the last
+batch, before the batch was listed in the pack's ``.idx``: a bad stretch at the end past every
+listed batch is that (``cut_batches``; its bytes stay dead, the pack takes no more batches);
+a listed batch that is damaged or gone (a truncated pack) is damage. A pack with no batch that
+checks out (garbage, or a copy under another name: the heads carry the pack's id) is quarantined
+whole (``corrupt_packs``); an ``.idx`` without its pack is a missing pack (``missing_packs``).
+A read checks the payload against the table's digest (a damaged payload is a miss and is
+quarantined; the record header is not needed to serve it); ``verify`` checks headers and
+payloads against the tables, and reports damaged batches and missing packs too.
 
 Publishing: an entry is indexed, and reported published, only once its batch and the pack's
 name are durable. A new pack: temp file → ``fsync`` → rename → ``fsync`` of the fan-out
@@ -47,6 +57,16 @@ complete entry whose bytes verify (a replaced key resolves to its latest batch).
 pack files whole, dead records included; eviction removes whole packs, the pack of the entry
 accessed longest ago first; :meth:`PackStore.gc` also rewrites packs that are mostly dead.
 
+Several processes on one directory: no lock is taken, and none is needed for the files' safety.
+Each writer names its packs with random ids and appends only to packs it created itself, so no
+two writers ever write one pack; publication is a rename (atomic); tombstones are 40-byte
+``O_APPEND`` writes (atomic on local file systems). What is not shared is the index: a writer
+does not see another's new packs until it reopens, and a pack one process evicts (``store gc``,
+or another writer's capacity) is a miss for the others (its descriptor may keep serving the
+verified bytes until closed; a tombstone written after the pack is gone is removed again, and
+an orphaned ``.dead`` is swept at start-up). Capacity is per process, so writers sharing a
+directory should split it.
+
 Recency across restarts: a pack's mtime is the last write or access of any of its entries
 (accesses written at most once a minute per pack); at start-up every entry of a pack gets that
 time, so an entry that shares a pack with newer ones is kept longer, never shorter.
@@ -56,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import struct
@@ -70,12 +91,21 @@ from typing import NamedTuple
 
 import xxhash
 
-from replaykv.cache.fileio import crc_sealed, errname, fsync_dir, pread_exact, seal_crc, write_all
+from replaykv.cache.fileio import (
+    FailureLog,
+    crc_sealed,
+    errname,
+    fsync_dir,
+    pread_exact,
+    seal_crc,
+    write_all,
+)
 from replaykv.cache.keys import KEY_BYTES, key_hex
 from replaykv.cache.store import EntryMeta, GcReport, LocalStore, Payload, VerifyReport
 
 __all__ = [
     "PACK_FORMAT_VERSION",
+    "PACK_INDEX_ROW",
     "PACK_RECORD",
     "PACK_TABLE_ROW",
     "PACK_TAIL",
@@ -83,7 +113,9 @@ __all__ = [
     "PackStore",
 ]
 
-PACK_FORMAT_VERSION = 1
+_log = logging.getLogger(__name__)
+
+PACK_FORMAT_VERSION = 2
 _RECORD_MAGIC = b"RKVPKREC"
 _TAIL_MAGIC = b"RKVPKEND"
 
@@ -113,13 +145,20 @@ length, XXH3-64 of the payload (the record header's digest again). Rows are in r
 The index keeps the row, so a read is one ``pread`` of the payload checked against the row's
 digest; ``verify`` also checks every record header against its row."""
 
-PACK_BATCH = struct.Struct("<8sHHIQI")
-"""The first 28 bytes of every batch in a pack: magic ``b"RKVPKBAT"``, u16 format version, u16
+PACK_BATCH = struct.Struct("<8sHHIQ16sI")
+"""The first 44 bytes of every batch in a pack: magic ``b"RKVPKBAT"``, u16 format version, u16
 reserved (0), u32 row count, u64 the batch's length in bytes (this head, its records, its table
-and its tail), u32 CRC-32 of bytes [0, 24). A pack is one or more batches back to back (a new
-batch is appended while the pack is under ``pack_bytes``), so the start-up scan walks them from
-the front and stops at the first that does not check out: a batch cut short by a crash
-mid-append, which then stays as dead bytes and ends the pack's appends."""
+and its tail), the 16-byte pack id (the file's name: a pack copied under another name does not
+check out), u32 CRC-32 of bytes [0, 40). A pack is one or more batches back to back (a new
+batch is appended while the pack is under ``pack_bytes``); the start-up scan walks them from the
+front and, past a batch that does not check out, searches on for the next batch head that does
+(see :func:`read_pack_table`)."""
+
+PACK_INDEX_ROW = struct.Struct("<Q")
+"""One row of a pack's ``.idx`` file, 8 bytes: the offset of a batch, appended once the batch is
+durable (not fsynced itself: a row lost in a crash only makes that batch unlisted, and a listed
+batch is always one whose bytes were durable). A listed batch that does not check out is damage;
+an unlisted one past the last listed batch is a crash's torn tail."""
 
 PACK_TAIL = struct.Struct("<8sHHIdII")
 """The last 32 bytes of a pack: magic ``b"RKVPKEND"``, u16 format version, u16 reserved (0),
@@ -127,7 +166,7 @@ u32 row count, f64 created_at (the pack's publish time: between two packs holdin
 the later one wins), u32 CRC-32 of the table, u32 CRC-32 of the tail's bytes [0, 28)."""
 
 _BATCH_MAGIC = b"RKVPKBAT"
-_ZERO_DIGEST = bytes(KEY_BYTES)
+_ZERO_DIGEST = bytes(KEY_BYTES)  # also the key of a tombstone that names a quarantined batch
 _TOMBSTONE = struct.Struct("<32sQ")  # a dropped record in a pack's .dead file: key, record offset
 _ACCESS_PERSIST_S = 60.0  # a pack's mtime (recency across restarts) is refreshed at most this often
 DEFAULT_OPEN_PACKS = 256  # descriptors kept open for reads; least recently used closed first
@@ -246,8 +285,18 @@ class _Scanned:
 Row = tuple[bytes, int, int, int]  # key, record offset, payload length, payload XXH3-64
 
 
-def _batch_head(count: int, length: int) -> bytes:
-    head = PACK_BATCH.pack(_BATCH_MAGIC, PACK_FORMAT_VERSION, 0, count, length, 0)
+def _pack_id_bytes(pack_id: str) -> bytes:
+    try:
+        raw = bytes.fromhex(pack_id)
+    except ValueError:
+        return b""
+    return raw if len(raw) == 16 else b""
+
+
+def _batch_head(count: int, length: int, pack_id: str = "") -> bytes:
+    head = PACK_BATCH.pack(
+        _BATCH_MAGIC, PACK_FORMAT_VERSION, 0, count, length, _pack_id_bytes(pack_id) or bytes(16), 0
+    )
     return seal_crc(head)
 
 
@@ -265,29 +314,36 @@ def batch_overhead(count: int) -> int:
 @dataclass
 class PackTable:
     """What a pack's batches say: rows (absolute offsets) with their batch's publish time, the
-    bytes of heads, tables and tails, and where the last batch that checks out ends."""
+    bytes of heads, tables and tails, where the last batch that checks out ends, the damaged
+    batches (offset, length, reason) and whether the pack ends in a batch a crash cut short."""
 
     rows: list[Row] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # per row: its batch's created_at
     overhead: int = 0
     end: int = 0
     created_at: float = 0.0  # of the last good batch
+    corrupt: list[tuple[int, int, str]] = field(default_factory=list)
+    cut: bool = False
 
 
-def _read_batch(fd: int, at: int, file_size: int) -> tuple[float, list[Row], int] | str:
+def _read_batch(
+    fd: int, at: int, file_size: int, pack_id: bytes | None = None
+) -> tuple[float, list[Row], int] | str:
     """The batch at ``at``: (created_at, rows, its length), or why it does not check out."""
     if file_size - at < PACK_BATCH.size + PACK_TAIL.size:
         return "truncated"
     head = pread_exact(fd, PACK_BATCH.size, at)
     if head is None:
         return "truncated"
-    magic, version, _, count, length, crc = PACK_BATCH.unpack(head)
+    magic, version, _, count, length, owner, crc = PACK_BATCH.unpack(head)
     if magic != _BATCH_MAGIC:
         return "bad_batch"
     if version != PACK_FORMAT_VERSION:
         return "wrong_version"
     if not crc_sealed(head, crc):
         return "bad_batch_crc"
+    if pack_id is not None and owner != pack_id:
+        return "wrong_pack"
     end = at + length
     if length < batch_overhead(count) or end > file_size:
         return "truncated"
@@ -313,24 +369,68 @@ def _read_batch(fd: int, at: int, file_size: int) -> tuple[float, list[Row], int
     return created, rows, length
 
 
-def read_pack_table(fd: int, file_size: int) -> PackTable | str:
-    """Walk a pack's batches from the front: everything up to the first batch that does not check
-    out (the reason, when even the first one does not)."""
+_SEARCH_CHUNK = 1 << 20
+
+
+def _next_batch(fd: int, start: int, file_size: int, pack_id: bytes | None) -> int | None:
+    """The offset of the first batch at or after ``start`` that checks out, or None."""
+    at = start
+    while at < file_size:
+        raw = os.pread(fd, _SEARCH_CHUNK + len(_BATCH_MAGIC) - 1, at)
+        if not raw:
+            return None
+        hit = raw.find(_BATCH_MAGIC)
+        while hit >= 0:
+            if not isinstance(_read_batch(fd, at + hit, file_size, pack_id), str):
+                return at + hit
+            hit = raw.find(_BATCH_MAGIC, hit + 1)
+        at += _SEARCH_CHUNK
+    return None
+
+
+def read_pack_table(
+    fd: int,
+    file_size: int,
+    pack_id: bytes | None = None,
+    listed: Iterable[int] = (),
+    skipped: Iterable[int] = (),
+) -> PackTable | str:
+    """Walk a pack's batches from the front; past one that does not check out, search on for the
+    next batch head that does, so that damage costs only the damaged batch.
+
+    ``pack_id``: the id every batch head must carry (None: not checked). ``listed``: offsets of
+    batches known durable (the ``.idx`` file). ``skipped``: offsets of batches already
+    quarantined (not reported again). A bad stretch followed by a good batch, or one where a
+    listed batch should be, is damage (``corrupt``); a bad stretch at the end past every listed
+    batch is what a crash mid-append leaves (``cut``). The reason, when no batch checks out."""
     table = PackTable()
-    while table.end < file_size:
-        batch = _read_batch(fd, table.end, file_size)
-        if isinstance(batch, str):
-            if table.end == 0:
-                return batch
-            break
-        created, rows, length = batch
-        table.rows += rows
-        table.times += [created] * len(rows)
-        table.overhead += batch_overhead(len(rows))
-        table.end += length
-        table.created_at = created
-    if table.end == 0:
+    known = sorted(set(listed))
+    ignored = set(skipped)
+    pos = 0
+    while pos < file_size:
+        batch = _read_batch(fd, pos, file_size, pack_id)
+        if not isinstance(batch, str):
+            created, rows, length = batch
+            table.rows += rows
+            table.times += [created] * len(rows)
+            table.overhead += batch_overhead(len(rows))
+            pos = table.end = pos + length
+            table.created_at = created
+            continue
+        found = _next_batch(fd, pos + 1, file_size, pack_id)
+        if found is None and not table.rows:
+            return batch
+        stop = file_size if found is None else found
+        if found is None and not any(o >= pos for o in known):
+            table.cut = True
+        elif pos not in ignored:
+            table.corrupt.append((pos, stop - pos, batch))
+        pos = stop
+    if not table.rows:
         return "truncated"
+    lost = [o for o in known if o >= file_size]
+    if lost and lost[0] not in ignored:
+        table.corrupt.append((lost[0], 0, "truncated"))
     return table
 
 
@@ -379,6 +479,10 @@ class PackStore(LocalStore[_Entry]):
         )
         self._append_to: _Pack | None = None  # the pack the next batch may be appended to
         self.cut_batches = 0  # packs the start-up scan found ending in a batch cut short
+        self.corrupt_batches = 0  # damaged batches found (start-up scan, verify) before later good ones
+        self.corrupt_packs = 0  # packs the start-up scan found with no batch that checks out
+        self.missing_packs = 0  # packs an .idx lists that are not there
+        self.write_failures = FailureLog(_log, "store write")
         self._write_lock = threading.Lock()  # one batch written at a time
         self._packs_dir = self._data_dir
         self._packs_str = str(self._packs_dir)
@@ -401,10 +505,84 @@ class PackStore(LocalStore[_Entry]):
             if top.is_dir(follow_symlinks=False):
                 yield from os.scandir(top.path)
 
+    def _sidecars(self) -> tuple[list[os.DirEntry[str]], dict[str, str], dict[str, str]]:
+        """The pack directory's files other than packs' ``.dead``/``.idx`` sidecars, and those
+        sidecars' paths by pack id."""
+        files: list[os.DirEntry[str]] = []
+        dead: dict[str, str] = {}
+        index: dict[str, str] = {}
+        for item in self._iter_pack_dir():
+            if item.name.endswith(".dead"):
+                dead[item.name[:-5]] = item.path
+            elif item.name.endswith(".idx"):
+                index[item.name[:-4]] = item.path
+            else:
+                files.append(item)
+        return files, dead, index
+
+    def _open_table(
+        self, path: str, pack_id: str, size: int, dead: set[tuple[bytes, int]]
+    ) -> PackTable | str:
+        """Read a pack's table, checking its batches against its name, directory and ``.idx``."""
+        expected = _pack_id_bytes(pack_id) if os.path.basename(os.path.dirname(path)) == pack_id[:2] else b""
+        listed = _read_index(path[:-5] + ".idx")
+        skipped = [offset for key, offset in dead if key == _ZERO_DIGEST]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return read_pack_table(fd, size, expected or bytes(17), listed, skipped)
+        finally:
+            os.close(fd)
+
+    def _missing_pack(self, pack_id: str, index_path: str) -> None:
+        """An ``.idx`` whose pack is gone: count and log it; a writable open moves it aside."""
+        self.missing_packs += 1
+        _log.error("store: pack %s.pack is missing (its index %s lists batches)", pack_id, index_path)
+        if not self.read_only:
+            self._move_to_quarantine(index_path, f"{pack_id}.missing.{time.time_ns()}.idx", "missing_pack")
+
+    def _corrupt_batch(self, path: str, pack_id: str, offset: int, length: int, reason: str) -> None:
+        """A damaged batch inside a pack whose other batches are served: count and log it; a
+        writable open copies its bytes to ``quarantine/`` and tombstones it (not reported again)."""
+        self.corrupt_batches += 1
+        _log.error("store: damaged batch in %s at offset %d (%d bytes): %s", path, offset, length, reason)
+        if self.read_only:
+            return
+        target = self._quarantine_dir / f"{pack_id}.{offset}.{reason}.{time.time_ns()}.batch"
+        try:
+            with open(path, "rb", buffering=0) as src:
+                raw = os.pread(src.fileno(), length, offset)
+            target.write_bytes(raw)
+        except OSError as exc:
+            self.metrics.errors.inc(f"quarantine:{errname(exc)}")
+        self._append_tombstone_at(path, _ZERO_DIGEST, offset)
+        self.metrics.quarantined.inc()
+        self.quarantine_reasons.inc(reason)
+
+    def _move_to_quarantine(self, path: str, name: str, reason: str) -> None:
+        try:
+            os.rename(path, self._quarantine_dir / name)
+        except OSError as exc:
+            self.metrics.errors.inc(f"quarantine:{errname(exc)}")
+            return
+        self.metrics.quarantined.inc()
+        self.quarantine_reasons.inc(reason)
+
     def _scan(self) -> None:
         scanned: list[_Scanned] = []
         tombstones: dict[str, set[tuple[bytes, int]]] = {}
-        for item in self._iter_pack_dir():
+        files, dead_files, index_files = self._sidecars()
+        pack_ids = {item.name[:-5] for item in files if item.name.endswith(".pack")}
+        for pack_id, path in dead_files.items():
+            if pack_id in pack_ids:
+                tombstones[pack_id] = _read_tombstones(path)
+            elif not self.read_only:  # its pack was removed by another process
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    self.orphans_swept += 1
+        for pack_id, path in sorted(index_files.items()):
+            if pack_id not in pack_ids:
+                self._missing_pack(pack_id, path)
+        for item in files:
             name = item.name
             try:
                 st = item.stat(follow_symlinks=False)
@@ -413,28 +591,25 @@ class PackStore(LocalStore[_Entry]):
             if name.startswith(".") and name.endswith(".tmp"):
                 self._sweep_temp(item, st)
                 continue
-            if name.endswith(".dead"):
-                tombstones[name[:-5]] = _read_tombstones(item.path)
-                continue
             if not name.endswith(".pack"):
                 self.unknown_files += 1
                 continue
             pack_id = name[:-5]
             try:
-                fd = os.open(item.path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    table = read_pack_table(fd, st.st_size)
-                finally:
-                    os.close(fd)
+                table = self._open_table(item.path, pack_id, st.st_size, tombstones.get(pack_id, set()))
             except OSError as exc:
                 self.metrics.errors.inc(f"scan:{errname(exc)}")
                 continue
             if isinstance(table, str):
+                self.corrupt_packs += 1
+                _log.error("store: pack %s cannot be trusted (%s)", item.path, table)
                 if not self.read_only:
                     self._quarantine_pack_file(item.path, pack_id, table)
                 continue
-            if table.end < st.st_size:
+            if table.cut:
                 self.cut_batches += 1  # a batch a crash cut short mid-append: dead bytes
+            for offset, length, reason in table.corrupt:
+                self._corrupt_batch(item.path, pack_id, offset, length, reason)
             scanned.append(_Scanned(item.path, pack_id, st.st_size, st.st_mtime, table))
         # The latest batch wins a key; entries get their pack's mtime; oldest access first.
         owner: dict[bytes, tuple[tuple[float, str, int], _Pack, int, int, int]] = {}
@@ -501,8 +676,23 @@ class PackStore(LocalStore[_Entry]):
                 os.close(pack.fd)
             pack.fd = None
 
+    def _append_index_row(self, pack_path: str, offset: int) -> None:
+        """List a durable batch in the pack's ``.idx`` (see :data:`PACK_INDEX_ROW`)."""
+        try:
+            fd = os.open(
+                pack_path[:-5] + ".idx", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644
+            )
+            try:
+                write_all(fd, PACK_INDEX_ROW.pack(offset))
+            finally:
+                os.close(fd)
+        except OSError as exc:  # an unlisted batch is still read; only its damage reads as a cut
+            self.metrics.errors.inc(f"index:{errname(exc)}")
+
     def _unlink_pack(self, pack: _Pack) -> None:
-        for path in (pack.path, pack.path[:-5] + ".dead"):
+        # The .idx goes first: a crash part way leaves a pack without one (read as usual), never
+        # an .idx that reports a pack missing.
+        for path in (pack.path[:-5] + ".idx", pack.path, pack.path[:-5] + ".dead"):
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -513,16 +703,22 @@ class PackStore(LocalStore[_Entry]):
     def _append_tombstone(self, pack: _Pack, key: bytes, offset: int) -> None:
         """Record that the record of ``key`` at ``offset`` is dropped (the key may come back in a
         later batch of the same pack, so a tombstone names the record, not the key)."""
+        self._append_tombstone_at(pack.path, key, offset)
+
+    def _append_tombstone_at(self, pack_path: str, key: bytes, offset: int) -> None:
+        dead = pack_path[:-5] + ".dead"
         try:
-            fd = os.open(
-                pack.path[:-5] + ".dead", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644
-            )
+            fd = os.open(dead, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             try:
                 write_all(fd, _TOMBSTONE.pack(key, offset))
             finally:
                 os.close(fd)
         except OSError as exc:  # a lost tombstone only brings back a complete, verified entry
             self.metrics.errors.inc(f"tombstone:{errname(exc)}")
+            return
+        if not os.path.exists(pack_path):  # another process removed the pack meanwhile
+            with contextlib.suppress(OSError):
+                os.unlink(dead)
 
     def _count_drop(self, entry: _Entry, now: float) -> None:
         if self._expired(entry, now):
@@ -675,6 +871,13 @@ class PackStore(LocalStore[_Entry]):
             if reserved:
                 with self._lock:
                     self._reserved -= reserved
+        if fitted and published:
+            self.write_failures.recovered()
+        elif fitted:
+            self.write_failures.failed(
+                f"{stage}:{errname(error or OSError(errno.EIO, ''))}",
+                f"{len(fitted)} entries under {self.root}",
+            )
         for s in fitted:
             if published:
                 results[s.index] = True
@@ -733,7 +936,7 @@ class PackStore(LocalStore[_Entry]):
             return stage, exc
         try:
             os.lseek(fd, start, os.SEEK_SET)
-            _write_batch_bytes(fd, start, staged, now)
+            _write_batch_bytes(fd, start, staged, now, pack.pack_id)
             os.utime(fd, (now, now))  # mtime carries last access across restarts
             stage = "fsync"
             os.fsync(fd)
@@ -752,6 +955,7 @@ class PackStore(LocalStore[_Entry]):
             return stage, exc
         finally:
             os.close(fd)
+        self._append_index_row(pack.path, start)
         return stage, None
 
     def _write_pack(
@@ -768,7 +972,7 @@ class PackStore(LocalStore[_Entry]):
             stage = "write"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                length = _write_batch_bytes(fd, 0, staged, now)
+                length = _write_batch_bytes(fd, 0, staged, now, pack_id)
                 os.utime(fd, (now, now))  # mtime carries last access across restarts
                 stage = "fsync"
                 os.fsync(fd)
@@ -785,6 +989,7 @@ class PackStore(LocalStore[_Entry]):
                 os.unlink(final if renamed else tmp)  # visible but not durable: take it back
             return stage, exc, None
         self._known_dirs.update((directory, self._packs_str))
+        self._append_index_row(final, 0)
         table = batch_overhead(len(staged))
         return stage, None, _Pack(pack_id, final, length, now, table, disk_access=now)
 
@@ -937,8 +1142,10 @@ class PackStore(LocalStore[_Entry]):
                 os.unlink(path)
             except OSError:
                 return
-        with contextlib.suppress(OSError):
-            os.unlink(path[:-5] + ".dead")
+        for sidecar in (".idx", ".dead"):
+            with contextlib.suppress(OSError):
+                os.unlink(path[:-5] + sidecar)
+        _log.error("store: quarantined pack %s (%s)", path, reason)
         self.metrics.quarantined.inc()
         self.quarantine_reasons.inc(reason)
 
@@ -1034,7 +1241,15 @@ class PackStore(LocalStore[_Entry]):
         (a bad table as ``("<pack id>.pack", reason)``); with ``quarantine=True`` (and not
         read-only) they are also moved to ``quarantine/`` and dropped from the index."""
         report = VerifyReport()
-        for item in list(self._iter_pack_dir()):
+        files, _, index_files = self._sidecars()
+        pack_ids = {item.name[:-5] for item in files if item.name.endswith(".pack")}
+        for pack_id, path in sorted(index_files.items()):
+            if pack_id not in pack_ids:
+                report.bad.append((f"{pack_id}.pack", "missing"))
+                if quarantine and not self.read_only:
+                    self._missing_pack(pack_id, path)
+                    report.quarantined += 1
+        for item in files:
             if not item.name.endswith(".pack"):
                 continue
             pack_id = item.name[:-5]
@@ -1042,7 +1257,7 @@ class PackStore(LocalStore[_Entry]):
             try:
                 with open(item.path, "rb", buffering=0) as f:
                     fd = f.fileno()
-                    table = read_pack_table(fd, os.fstat(fd).st_size)
+                    table = self._open_table(item.path, pack_id, os.fstat(fd).st_size, dead)
                     if isinstance(table, str):
                         report.checked += 1
                         report.bad.append((item.name, table))
@@ -1050,6 +1265,12 @@ class PackStore(LocalStore[_Entry]):
                             self._quarantine_known_pack(pack_id, item.path, table)
                             report.quarantined += 1
                         continue
+                    for offset, length, reason in table.corrupt:
+                        report.checked += 1
+                        report.bad.append((f"{item.name}@{offset}", reason))
+                        if quarantine and not self.read_only:
+                            self._corrupt_batch(item.path, pack_id, offset, length, reason)
+                            report.quarantined += 1
                     for row in table.rows:
                         key = row[0]
                         if (key, row[1]) in dead:
@@ -1099,6 +1320,9 @@ class PackStore(LocalStore[_Entry]):
                 fill_ratio=self.metrics.bytes_resident.value / self.capacity_bytes,
                 packs=len(self._packs),
                 cut_batches=self.cut_batches,
+                corrupt_batches=self.corrupt_batches,
+                corrupt_packs=self.corrupt_packs,
+                missing_packs=self.missing_packs,
                 live_bytes=live,
                 dead_bytes=self.metrics.bytes_resident.value - live,
                 open_packs=len(self._open),
@@ -1157,11 +1381,11 @@ class PackStore(LocalStore[_Entry]):
                     raise AssertionError(f"pack {path}: file {on_disk} B, index {size} B")
 
 
-def _write_batch_bytes(fd: int, start: int, staged: list[_Staged], now: float) -> int:
+def _write_batch_bytes(fd: int, start: int, staged: list[_Staged], now: float, pack_id: str) -> int:
     """Write one batch (head, records, table, tail) at the descriptor's position, which is
     ``start`` in the pack; set each record's offset; the batch's length."""
     length = batch_overhead(len(staged)) + sum(s.size for s in staged)
-    write_all(fd, _batch_head(len(staged), length))
+    write_all(fd, _batch_head(len(staged), length, pack_id))
     offset = start + PACK_BATCH.size
     rows: list[Row] = []
     for s in staged:
@@ -1206,6 +1430,15 @@ def _read_record(fd: int, row: Row | _Entry, key: bytes) -> tuple[PackRecord, by
     if isinstance(payload, str):
         return payload
     return record, payload
+
+
+def _read_index(path: str) -> list[int]:
+    try:
+        raw = Path(path).read_bytes()
+    except OSError:
+        return []
+    usable = len(raw) - len(raw) % PACK_INDEX_ROW.size  # a torn last row is ignored
+    return [PACK_INDEX_ROW.unpack_from(raw, i)[0] for i in range(0, usable, PACK_INDEX_ROW.size)]
 
 
 def _read_tombstones(path: str) -> set[tuple[bytes, int]]:

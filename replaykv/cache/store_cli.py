@@ -9,7 +9,13 @@ open the store read-only (nothing on disk changes); ``verify --quarantine`` and 
 also sweep orphaned temp files, as any writable open does. Run those while no engine
 writes to the directory, or accept that the engine sees some entries vanish (a miss).
 
-Exit status: 0 success, 1 ``verify`` found bad entries, 2 usage error or no store there.
+``stats`` of a pack store also prints the damage its scan found: ``cut_batches`` (packs ending in
+a batch a crash cut short: not damage), ``corrupt_batches`` (damaged batches with intact ones
+kept around them), ``corrupt_packs`` (packs with no batch that checks out) and ``missing_packs``
+(packs their ``.idx`` lists that are gone).
+
+Exit status: 0 success, 1 ``verify`` found bad entries, damaged batches or missing packs, 2 usage
+error or no store there.
 """
 
 from __future__ import annotations
@@ -108,9 +114,14 @@ def main(argv: list[str]) -> int:
                 "quarantine_files",
                 "temp_files_seen",
                 "unknown_files",
+                "cut_batches",
+                "corrupt_batches",
+                "corrupt_packs",
+                "missing_packs",
                 "oldest_access",
                 "newest_access",
             )
+            if k in stats
         }
         _emit(result, args.json)
         return 0
