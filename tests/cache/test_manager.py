@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -501,7 +500,8 @@ def test_entry_failing_layout_verification_is_deleted(
 def test_redis_down_is_a_miss_and_the_request_is_unaffected(
     tmp_path: Path, clock: FakeClock, managers: Any, redis_server: RedisServer
 ) -> None:
-    pool = RedisSwaPool(redis_server.url, ttl_s=300, retry_after_s=0.05)
+    circuit = FakeClock(0.0)
+    pool = RedisSwaPool(redis_server.url, ttl_s=300, retry_after_s=0.05, circuit_clock=circuit)
     m = make_manager(tmp_path, clock, spec=SPEC4, chunk=16, device=False, pool=pool)
     managers.append(m)
     ids = torch.tensor([tokens_of(11, 50)])
@@ -518,7 +518,7 @@ def test_redis_down_is_a_miss_and_the_request_is_unaffected(
     assert int(pool.stats()["errors_total"]) > 0  # type: ignore[call-overload]
     # Redis comes back (empty): writes succeed again and the next conversation hits exactly.
     redis_server.start()
-    time.sleep(0.06)  # the pool's circuit stays open for retry_after_s
+    circuit.advance(0.05)  # the pool's circuit stays open for retry_after_s
     ids = torch.tensor([tokens_of(12, 50)])
     split, _ = _reference(ids, 37)
     serve_model(m, ids[:, :37], "acme")

@@ -10,7 +10,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -721,43 +720,33 @@ if stall:
 print("ready", flush=True)
 i = start
 while True:
-    store.put_many([(_key(j), _expected(j)) for j in range(i, i + 6)])
+    done = store.put_many([(_key(j), _expected(j)) for j in range(i, i + 6)])
+    print("stored", *[j for j, ok in zip(range(i, i + 6), done) if ok], flush=True)
     i += 6
 """
 
 
-def _run_batch_writer(root: Path, start: int, delay_s: float, stall: bool) -> None:
-    from tests.cache.test_store_crash import REPO
+def _run_batch_writer(root: Path, start: int, stored: int, stall: bool) -> list[int]:
+    """Kill the batch writer in its stalled directory fsync, or after ``stored`` acknowledged
+    entries (the writer prints them once each batch returns); returns those entries."""
+    from tests.cache.test_store_crash import kill_writer
 
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen(
-        [sys.executable, "-c", _BATCH_WRITER, str(root), str(start), "stall" if stall else "go"],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=REPO,
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == b"ready"
-        if stall:
-            assert child.stdout.readline().startswith(b"in-dir-fsync")
-        time.sleep(delay_s)
-    finally:
-        child.kill()
-        child.wait(timeout=30)
+    args = [str(root), str(start), "stall" if stall else "go"]
+    return kill_writer(_BATCH_WRITER, args, stored, b"in-dir-fsync" if stall else None)
 
 
 def test_put_many_sigkill_leaves_complete_entries_or_orphans(tmp_path: Path) -> None:
     from tests.cache.test_store_crash import _check_fresh_store
 
-    _run_batch_writer(tmp_path, 0, 0.0, stall=True)  # killed between the renames and the dir fsyncs
+    _run_batch_writer(tmp_path, 0, 0, stall=True)  # killed between the renames and the dir fsyncs
     store = _check_fresh_store(tmp_path, 100)
     assert len(store) == 6  # all renamed, none acknowledged: complete (data fsynced before the rename)
     rng = random.Random(20260518)
+    acked: set[int] = set(range(6))
     for r in range(3):
-        _run_batch_writer(tmp_path, start=r * 30, delay_s=rng.uniform(0.05, 0.3), stall=False)
-        store = _check_fresh_store(tmp_path, 100_000)
-    assert len(store) > 0
+        acked.update(_run_batch_writer(tmp_path, start=r * 30, stored=rng.randint(1, 18), stall=False))
+        store = _check_fresh_store(tmp_path, 100_000, tuple(sorted(acked)))
+    assert len(store) >= len(acked) > 6
 
 
 def test_reads_survive_short_preads_and_huge_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

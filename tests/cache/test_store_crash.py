@@ -1,4 +1,9 @@
-"""kill -9 of a writer at random points: a fresh store never serves a partial entry and sweeps orphans."""
+"""kill -9 of a writer at random points: a fresh store never serves a partial entry, keeps every
+entry the writer was told is stored, and sweeps orphans.
+
+The writer prints ``stored <i>`` after each acknowledged put; the test kills it after a random
+number of those lines (the writer is then somewhere in a later put), so what the fresh store must
+hold never depends on how the two processes were scheduled."""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from replaykv.cache.store import DirectoryStore
@@ -35,7 +39,8 @@ while True:
     key = hashlib.sha256(b"crash-%d" % i).digest()
     seed = hashlib.sha256(b"body-%d" % i).digest()
     size = 1000 + (int.from_bytes(seed[:4], "little") % (1 << 20))
-    store.put(key, (seed * (size // 32 + 1))[:size])
+    if store.put(key, (seed * (size // 32 + 1))[:size]):
+        print(f"stored {i}", flush=True)
     i += 1
 """
 
@@ -54,30 +59,36 @@ def _key(i: int) -> bytes:
     return hashlib.sha256(b"crash-%d" % i).digest()
 
 
-def kill_writer(script: str, args: list[str], delay_s: float, wait_for: bytes | None = None) -> None:
-    """Run ``script`` in a child (it prints ``ready`` once its store is open), wait for the line
-    ``wait_for`` when given (the child stalled where the test wants it), ``delay_s`` more, then
-    SIGKILL it."""
+def kill_writer(script: str, args: list[str], stored: int = 0, wait_for: bytes | None = None) -> list[int]:
+    """Run ``script`` in a child (it prints ``ready`` once its store is open, then ``stored <i>``
+    after each acknowledged write), wait for the line ``wait_for`` when given (the child stalled
+    where the test wants it) or for ``stored`` acknowledgements, then SIGKILL it. Returns the
+    acknowledged indices."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, env=env, cwd=REPO)
+    acked: list[int] = []
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == b"ready"
         if wait_for is not None:
-            assert child.stdout.readline().strip() == wait_for
-        time.sleep(delay_s)
+            assert child.stdout.readline().startswith(wait_for)  # threads may print it together
+        while len(acked) < stored:
+            word, _, rest = child.stdout.readline().strip().partition(b" ")
+            assert word == b"stored", word
+            acked += [int(x) for x in rest.split()]
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
+    return acked
 
 
-def _run_and_kill(root: Path, start: int, delay_s: float, stall: bool = False) -> None:
+def _run_and_kill(root: Path, start: int, stored: int = 0, stall: bool = False) -> list[int]:
     args = [str(root), str(start), "stall" if stall else "go"]
-    kill_writer(_WRITER, args, delay_s, b"in-fsync" if stall else None)
+    return kill_writer(_WRITER, args, stored, b"in-fsync" if stall else None)
 
 
-def _check_fresh_store(root: Path, max_i: int) -> DirectoryStore:
+def _check_fresh_store(root: Path, max_i: int, acked: tuple[int, ...] = ()) -> DirectoryStore:
     tmp_before = [p for p in (root / "entries").rglob("*.tmp")]
     store = DirectoryStore(root, 1 << 40)
     assert store.orphans_swept == len(tmp_before)
@@ -86,6 +97,8 @@ def _check_fresh_store(root: Path, max_i: int) -> DirectoryStore:
     for key in store.indexed_keys():
         got = store.get(key)
         assert got == _expected(by_key[key])  # complete and exact, never partial
+    for i in acked:  # every acknowledged write survives the kill
+        assert store.contains(_key(i)), i
     assert store.stats()["quarantined"] == 0
     assert store.verify().bad == []
     store.check_integrity()
@@ -93,7 +106,7 @@ def _check_fresh_store(root: Path, max_i: int) -> DirectoryStore:
 
 
 def test_kill_during_publish_leaves_only_an_orphan(tmp_path: Path) -> None:
-    _run_and_kill(tmp_path, 0, 0.0, stall=True)
+    _run_and_kill(tmp_path, 0, stall=True)
     assert len(list((tmp_path / "entries").rglob("*.tmp"))) == 1
     store = _check_fresh_store(tmp_path, 10)
     assert len(store) == 0 and store.orphans_swept == 1
@@ -101,9 +114,9 @@ def test_kill_during_publish_leaves_only_an_orphan(tmp_path: Path) -> None:
 
 def test_sigkill_at_random_points(tmp_path: Path) -> None:
     rng = random.Random(20260517)
-    rounds = 5
-    for r in range(rounds):
+    acked: set[int] = set()
+    for r in range(5):
         # Overlapping ranges: later rounds also replace entries earlier rounds published.
-        _run_and_kill(tmp_path, start=r * 20, delay_s=rng.uniform(0.05, 0.4))
-        store = _check_fresh_store(tmp_path, 100_000)
-    assert len(store) > 0
+        acked.update(_run_and_kill(tmp_path, start=r * 20, stored=rng.randint(1, 12)))
+        store = _check_fresh_store(tmp_path, 100_000, tuple(sorted(acked)))
+    assert len(store) >= len(acked) > 0
