@@ -78,7 +78,7 @@ def test_flushed_pool_takes_bounded_replay(tmp_path: Path) -> None:
         assert acc is not None and acc.path == "bounded" and not acc.snapshot_hit
         assert acc.cached_tokens > 0 and acc.replayed_tokens == 8  # one window (W = 8) below the hit
         assert any("snapshot" in reason for reason in acc.reasons)
-        assert len(r.token_ids) == 4 and all(0 <= t < 512 for t in r.token_ids)
+        assert len(r.token_ids) == 4
         logits, plan = score_after_cut(engine.model, prompt, acc.cached_tokens, flags, keep_snapshot=False)
         assert plan.path == "bounded" and torch.isfinite(logits[-1]).all()
         assert r.token_ids[0] == int(logits[-1].argmax())
