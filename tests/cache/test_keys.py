@@ -17,6 +17,7 @@ import pytest
 from replaykv.cache.keys import (
     KEY_BYTES,
     KeyNamespace,
+    PrefixKeyBuilder,
     chunk_keys,
     key_from_hex,
     key_hex,
@@ -88,6 +89,23 @@ def test_matches_independent_reference_and_golden_values() -> None:
         other = make_namespace(salt)
         ref = _reference_keys(other, tokens[:33])
         assert (other.seed(), chunk_keys(other, tokens[:33]), prefix_key(other, tokens[:33])) == ref
+
+
+def test_prefix_key_builder_equals_the_functions_at_every_position_in_any_order() -> None:
+    ns = make_namespace("builder")  # chunk size 16
+    tokens = [(i * 7919) % 50_000 for i in range(70)]
+    rng = np.random.default_rng(0)
+    order = [int(n) for n in rng.permutation(len(tokens) + 1)]  # probe out of order: cached chunks reused
+    builder = PrefixKeyBuilder(ns, tokens)
+    for n in order:
+        _, ref_chunks, ref_prefix = _reference_keys(ns, tokens[:n])
+        assert builder.prefix_key(n) == prefix_key(ns, tokens[:n]) == ref_prefix, n
+        assert builder.chunk_keys(n) == chunk_keys(ns, tokens[:n]) == ref_chunks, n
+    assert builder.chunk_keys() == chunk_keys(ns, tokens) and len(builder.chunk_keys()) == 4
+    assert PrefixKeyBuilder(make_namespace("other"), tokens).prefix_key(40) != builder.prefix_key(40)
+    for bad in (-1, len(tokens) + 1):
+        with pytest.raises(ValueError, match="n must be in"):
+            builder.prefix_key(bad)
 
 
 _CHILD = """

@@ -131,7 +131,9 @@ def test_speculative_decoding_allowed_without_encoder_replay() -> None:
     )
     assert cfg.speculative_decoding and not cfg.enable_encoder_swa_bounded_replay
     with pytest.raises(ValueError, match="speculative decoding"):  # the same with encoder replay on
-        EngineConfig(preset="tiny", speculative_decoding=True, enable_encoder_swa_bounded_replay=True, **NO_CACHE)
+        EngineConfig(
+            preset="tiny", speculative_decoding=True, enable_encoder_swa_bounded_replay=True, **NO_CACHE
+        )
 
 
 def test_chunk_size_must_hold_whole_groups(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,5 +1,9 @@
 """The HTTP API over a fake engine: the official openai client, raw HTTP for malformed input,
-auth and tenants, admin endpoints, 429, /metrics, and cancellation on disconnect."""
+auth and tenants, admin endpoints, 429, /metrics, and cancellation on disconnect.
+
+Cached-token counts here are the fake engine's (tests/server/fake_engine.py: any earlier prompt +
+output of the same salt counts as cached); they test that the server reports what the engine
+says, per tenant. What the real engine caches is asserted in tests/server/test_live_engine.py."""
 
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ def test_completion_token_ids_and_stream(live: LiveServer, fake: FakeEngine) -> 
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 7
     assert last.usage.prompt_tokens_details is not None
-    assert last.usage.prompt_tokens_details.cached_tokens == 2  # same prompt again: all but the last token
+    assert last.usage.prompt_tokens_details.cached_tokens == 2  # the fake's count: all but the last token
 
 
 def test_chat_and_stream(live: LiveServer, fake: FakeEngine) -> None:
@@ -97,7 +101,7 @@ def test_chat_and_stream(live: LiveServer, fake: FakeEngine) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details is not None
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the second identical prompt hits
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the fake counts the first prompt
 
 
 def test_models_and_health(live: LiveServer) -> None:
@@ -112,7 +116,7 @@ def test_models_and_health(live: LiveServer) -> None:
 
 
 def _turns(live: LiveServer, key: str) -> list[int]:
-    """Two chat turns; returns each turn's cached_tokens."""
+    """Two chat turns; returns each turn's cached_tokens (as the fake engine counts them)."""
     c = client(live, key)
     history: list[Any] = [{"role": "user", "content": "What is a sliding window?"}]
     cached = []
