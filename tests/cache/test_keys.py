@@ -247,7 +247,8 @@ def test_chunk_chain_properties() -> None:
 
 
 def test_token_containers_agree() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     ns = make_namespace(chunk_size=4)
     toks = [5, 129_279, 0, 3, 9, 9, 1]
     expected = prefix_key(ns, toks)

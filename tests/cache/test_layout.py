@@ -10,7 +10,6 @@ order when a prefill is split, so a split run is not bitwise a one-shot run even
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +40,7 @@ from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.quant import FP4_COMPRESSED_ENTRY, FP8_WINDOW_ENTRY, MXFP4_INDEX_KEY
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v4 import DeepseekV4ForCausalLM
+from replaykv.model.v41 import DeepseekV41ForCausalLM
 
 DIGEST = bytes(range(32))
 
@@ -191,31 +191,6 @@ def assert_same_state(layout: CacheLayout, a: CacheView, b: CacheView) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _v41_model_class() -> Any:
-    try:
-        module = importlib.import_module("replaykv.model.v41")
-    except ImportError:
-        return None
-    for name in ("DeepseekV41ForCausalLM", "DeepseekV4_1ForCausalLM"):
-        if hasattr(module, name):
-            return getattr(module, name)
-    return None
-
-
-def _models() -> list[Any]:
-    out = [pytest.param("v4", id="v4")]
-    out.append(
-        pytest.param(
-            "v41",
-            id="v41",
-            marks=pytest.mark.skipif(
-                _v41_model_class() is None, reason="replaykv.model.v41 has not landed yet"
-            ),
-        )
-    )
-    return out
-
-
 @functools.cache
 def _build(kind: str, quant: bool = False) -> tuple[Any, ModelSpec, int]:
     if kind == "v4":
@@ -224,14 +199,14 @@ def _build(kind: str, quant: bool = False) -> tuple[Any, ModelSpec, int]:
         chunk = 16
     else:
         config = v41_tiny().replace(kv_quant=quant)
-        model = _v41_model_class()(config)
+        model = DeepseekV41ForCausalLM(config)
         chunk = 8
     init_weights(model, seed=3)
     model.eval()
     return model, ModelSpec.from_config(config), chunk
 
 
-@pytest.mark.parametrize("kind", _models())
+@pytest.mark.parametrize("kind", ["v4", "v41"])
 @pytest.mark.parametrize("cut", [1, 5, 16, 37])
 def test_exact_continuation(kind: str, cut: int) -> None:
     """prefill [0, H) → extract → bytes → fresh view → load → continue == never stopped, bitwise."""
@@ -281,7 +256,6 @@ def test_exact_continuation_v4_tiny_real_window() -> None:
     assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(_v41_model_class() is None, reason="replaykv.model.v41 has not landed yet")
 @pytest.mark.parametrize("cut", [7, 24])
 def test_exact_continuation_v41_quantised(cut: int) -> None:
     """Quantisers on: sections are packed (FP4 / MXFP4 / FP8) and continuation stays bitwise."""

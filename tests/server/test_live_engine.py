@@ -19,11 +19,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-try:
-    from replaykv.engine.engine import Engine
-except ImportError as exc:  # the engine is written in parallel with the server
-    pytest.skip(f"replaykv.engine.engine cannot be imported yet ({exc})", allow_module_level=True)
-
+from replaykv.engine.engine import Engine
 from replaykv.server.settings import load_settings
 from tests.server.conftest import LiveServer
 from tests.server.test_api import parse_prometheus
