@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from replaykv.cli_parser import ArgumentParser, UsageError, positive_int, usage_error, whole_number
+
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The model of `args` (with `args.model` set to the directory it came from, if any) and
@@ -22,6 +24,9 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     quant = {"on": True, "off": False}.get(getattr(args, "kv_quant", "config"))
     found = model_to_load(args.model, getattr(args, "preset", None) is not None)
+    if found is not None and not (found / "config.json").is_file():
+        what = "is not a directory" if not found.is_dir() else "holds no config.json"
+        raise UsageError(f"--model {found} {what} (a model directory: config.json + safetensors)")
     args.model = str(found) if found is not None else None
     if args.model:
         from replaykv.model.checkpoint import load_config
@@ -46,7 +51,14 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     from replaykv.engine.oneshot import score
 
-    ids = json.loads(Path(args.input_ids).read_text())
+    try:
+        ids = json.loads(Path(args.input_ids).read_text())
+    except OSError as e:
+        raise UsageError(f"--input-ids {args.input_ids}: cannot read it ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--input-ids {args.input_ids}: not UTF-8 text ({e.reason})") from e
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--input-ids {args.input_ids}: not JSON ({e})") from e
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or not ids:
         print("error: --input-ids must hold a non-empty JSON list of integer token ids", file=sys.stderr)
         return 2
@@ -103,8 +115,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replaykv", description=__doc__)
+    from replaykv.model.presets import all_presets
+
+    p = ArgumentParser(prog="replaykv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    presets = sorted(all_presets())
 
     def model_args(sp: argparse.ArgumentParser, need_model: bool = False) -> None:
         sp.add_argument("--model", required=need_model, help="model directory (config.json + safetensors)")
@@ -112,12 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument(
                 "--preset",
                 default=None,
+                choices=presets,
                 help="preset with random weights (default: the bundled model, else 'small')",
             )
             sp.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         sp.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-        sp.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0 = one shot)")
+        sp.add_argument(
+            "--chunk", type=whole_number, default=0, help="prefill chunk size in tokens (0 = one shot)"
+        )
         sp.add_argument(
             "--kv-quant",
             choices=["config", "on", "off"],
@@ -139,13 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop the window snapshot at H and rebuild it this way (default: keep it, a full hit)",
     )
     sp.add_argument("--decoder-replay", choices=["on", "off"], default="off")
-    sp.add_argument("--replay-span", type=int, default=None, help="W of bounded replay (default: the window)")
+    sp.add_argument(
+        "--replay-span", type=positive_int, default=None, help="W of bounded replay (default: the window)"
+    )
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("generate", help="one-shot greedy generation")
     model_args(sp)
     sp.add_argument("--prompt", default="Hello")
-    sp.add_argument("--max-tokens", type=int, default=16)
+    sp.add_argument("--max-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
     sp.set_defaults(func=cmd_generate)
 
     sp = sub.add_parser(
@@ -219,4 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in _PASSTHROUGH:  # subcommands with their own parsers
         return _PASSTHROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        return usage_error(str(e))

@@ -16,11 +16,12 @@ import argparse
 import sys
 
 from replaykv.accept.contract import EXAMPLE, ContractError, load_contract
+from replaykv.cli_parser import ArgumentParser
 from replaykv.replay import FAULTS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replaykv accept", description="Run an acceptance contract.")
+    p = ArgumentParser(prog="replaykv accept", description="Run an acceptance contract.")
     p.add_argument("--contract", default=str(EXAMPLE), help="contract YAML (default: the shipped example)")
     p.add_argument("--out", default="accept-report", help="report directory (report.json, .md, .html)")
     g = p.add_argument_group("in process (default)")

@@ -9,6 +9,7 @@ and build an :class:`EngineConfig`), or the server's own settings.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +22,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_store_dir() -> str:
-    """The user's cache directory for the persistent global-KV store: ~/.cache/replaykv/store."""
-    return str(Path.home() / ".cache" / "replaykv" / "store")
+    """Where `replaykv serve` and `replaykv store` keep the persistent global-KV store by default:
+    ``$XDG_CACHE_HOME/replaykv/store``, or ``~/.cache/replaykv/store`` when that is unset or
+    not absolute (the XDG base-directory rule)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return str(base / "replaykv" / "store")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Any
 
+from replaykv.cli_parser import ArgumentParser
 from replaykv.plan.planner import format_table, load_model_config, plan
 from replaykv.plan.workload import Workload, load_workload, workload_from_dict
 
@@ -53,7 +54,7 @@ _MM_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replaykv plan", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="replaykv plan", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model", default="v41-flash", help="preset (v41-flash, v41-small, v4-flash, ...) or config.json"
     )

@@ -117,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"SWA pool {config.swa_pool or 'off'}, store {config.store_dir or 'off'}",
             flush=True,
         )
+        _check_redis(engine)
         if config.fault is not None:
             print(
                 f"replaykv: WARNING: fault {config.fault!r} injected: replay is deliberately wrong "
@@ -147,6 +148,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.shutdown()
         sock.close()
     return 0
+
+
+def _check_redis(engine: object) -> None:
+    """PING the Redis SWA pool once at start-up and say whether it answers (a pool that does not
+    is a miss on every lookup until it does; the server still starts)."""
+    pool = getattr(getattr(engine, "cache", None), "swa_pool", None)
+    ping = getattr(pool, "ping", None)
+    if ping is None:
+        return
+    address = getattr(pool, "address", "Redis")
+    if ping():
+        print(f"replaykv: SWA pool Redis at {address} answers PING", flush=True)
+        return
+    message = (
+        f"SWA pool Redis at {address} does not answer PING (check --redis-url): every window "
+        "snapshot is a miss, rebuilt by replay, until it does"
+    )
+    print(f"replaykv: WARNING: {message}", file=sys.stderr, flush=True)
 
 
 class _Stopped(Exception):

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from replaykv.cache.stores import STORE_FORMATS
+from replaykv.cli_parser import ArgumentParser
+from replaykv.model.presets import all_presets
 from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags
 
 if TYPE_CHECKING:
@@ -94,13 +96,19 @@ def _to_bool(raw: Any) -> bool:
 def _to_int(raw: Any) -> int:
     if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
         raise ValueError(f"expected an integer, got {raw!r}")
-    return int(raw)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {raw!r}") from None
 
 
 def _to_float(raw: Any) -> float:
     if isinstance(raw, bool):
         raise ValueError(f"expected a number, got {raw!r}")
-    return float(raw)
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"expected a number, got {raw!r}") from None
 
 
 def _to_str(raw: Any) -> str:
@@ -168,7 +176,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", _to_str, "127.0.0.1", "address to listen on"),
     Option("port", _to_int, 30000, "port to listen on"),
     Option("model", _to_str, None, "model directory (config.json + safetensors); default: --preset when given, else the bundled model"),
-    Option("preset", _to_str, "small", "preset with random weights; used when given without --model, or when no model is bundled"),
+    Option("preset", _to_str, "small", "preset with random weights; used when given without --model, or when no model is bundled", choices=tuple(sorted(all_presets()))),
     Option("served_model_name", _to_str, None, "model name in the API (default: the engine's model name)"),
     Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable); a bare KEY is its own tenant 'key-<sha256 prefix>', and shares tenant 'default' (the one without authentication) only as KEY=default; none = no authentication, tenant 'default'", metavar="KEY[=TENANT]"),
     Option("admin_key", _to_str, None, "bearer key of the /admin endpoints (unset = admin endpoints refused)"),
@@ -316,7 +324,10 @@ class Settings:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `replaykv serve` parser. Every default is SUPPRESS so only flags given appear."""
-    p = argparse.ArgumentParser(
+    from replaykv.engine.config import EngineConfig
+
+    engine_defaults = EngineConfig()
+    p = ArgumentParser(
         prog="replaykv serve",
         description="OpenAI-compatible server. Each flag also reads from the config file and from "
         "REPLAYKV_<NAME> (precedence: flags > environment > config file > defaults).",
@@ -324,8 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML or JSON file of settings (env: REPLAYKV_CONFIG)")
     for opt in OPTIONS:
-        default = "the engine's" if opt.engine and opt.default is None else opt.default
-        text = f"{opt.help} (env {opt.env}; default {default})"
+        default = opt.default
+        if opt.engine and default is None:
+            default = getattr(engine_defaults, ENGINE_FIELDS.get(opt.name, opt.name))
+        shown = "" if "default" in opt.help else f"; default {'none' if default is None else default}"
+        text = f"{opt.help} (env {opt.env}{shown})"
         if opt.is_bool:
             stem = opt.name.removeprefix("enable_").replace("_", "-")
             p.add_argument(f"--enable-{stem}", dest=opt.name, action="store_const", const=True, help=text)
