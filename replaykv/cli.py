@@ -11,7 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from replaykv.cli_parser import ArgumentParser, UsageError, positive_int, usage_error, whole_number
+from replaykv.cli_parser import (
+    ArgumentParser,
+    UsageError,
+    check_device,
+    positive_int,
+    usage_error,
+    whole_number,
+)
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -22,6 +29,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
     from replaykv.server.settings import model_to_load
 
+    check_device(args.device)
     quant = {"on": True, "off": False}.get(getattr(args, "kv_quant", "config"))
     found = model_to_load(args.model, getattr(args, "preset", None) is not None)
     if found is not None and not (found / "config.json").is_file():

@@ -28,6 +28,22 @@ def usage_error(message: str) -> int:
     return 2
 
 
+def check_device(name: str) -> None:
+    """UsageError unless `name` is a torch device this machine has."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available on this machine (use --device cpu)")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
     value = _integer(text)

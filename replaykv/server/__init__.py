@@ -83,6 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from replaykv.cli_parser import UsageError, check_device
+
+    try:
+        check_device(config.device)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for warning in settings.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     try:
