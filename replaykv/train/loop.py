@@ -250,9 +250,7 @@ def read_stage(directory: str | Path) -> dict[str, Any] | None:
     return dict(json.loads(path.read_text()))
 
 
-def write_stage(
-    model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any]
-) -> dict[str, Any]:
+def write_stage(model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any]) -> dict[str, Any]:
     """Write a stage checkpoint (bf16 export, tokenizer, stage.json) into `directory`, replacing
     what was there; returns the stage.json record. The files are written beside and renamed in,
     so an interrupted write leaves the previous checkpoint whole."""
@@ -365,7 +363,7 @@ def train(
     if cold is not None:
         model = load_model(cold, dtype="float32").train()
     else:
-        model = (_fresh(recipe) if continuing else make_model(recipe, init))
+        model = _fresh(recipe) if continuing else make_model(recipe, init)
     model = model.to(dev)
     spec = ModelSpec.from_config(model.config)
     opt = make_optimizer(model, recipe)
@@ -375,7 +373,9 @@ def train(
     if cold is not None:
         info = read_stage(cold) or {}
         if info.get("recipe_digest") != recipe.digest():
-            print(f"note: {cold} was trained by recipe digest {info.get('recipe_digest')}, not {recipe.digest()}")
+            print(
+                f"note: {cold} was trained by recipe digest {info.get('recipe_digest')}, not {recipe.digest()}"
+            )
         step, seconds, tokens = int(info["step"]), float(info["seconds"]), int(info["tokens"])
         stage_seconds = dict(info.get("stage_seconds", {}))
         cold_from = step

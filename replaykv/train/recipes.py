@@ -325,22 +325,23 @@ def _mixed(
 # Stage boundaries of `small`, each sized for at most 100 minutes of 2 CPU cores (measured step
 # times: 8 × 256 about 2.5 s, 8 × 512 about 4.5 s, 8 × 1,024 about 10.5 s, 4 × 2,048 and
 # 2 × 4,096 about 11-12 s; docs/training.md has the times each stage took).
-SMALL_STAGES = (1200, 2300, 2750, 3200, 3650, 4100, 4550)
+SMALL_STAGES = (900, 2000, 2600, 3050, 3500, 3950, 4250, 4550)
 
 
 def small() -> Recipe:
     """The shipped base model, trained in stages of at most 100 minutes on 2 CPU cores, each
     ending in a committed checkpoint that the next stage continues from (on another machine too):
 
-    ======  =====================================================  ==========
-    stage   steps                                                  rows
-    ======  =====================================================  ==========
-    1       400 repeat rows (the copying circuit), 800 mixture     8 × 256, 8 × 512
-    2       1,100 mixture                                          8 × 512
-    3       450 mixture                                            8 × 1,024
-    4       450 mixture                                            4 × 2,048
-    5-7     450 mixture each                                       2 × 4,096
-    ======  =====================================================  ==========
+    =====  ==================================================  ====================
+    stage  steps                                               rows
+    =====  ==================================================  ====================
+    1      400 repeat rows (the copying circuit), 500 mixture  8 × 256, 8 × 512
+    2      1,100 mixture                                       8 × 512
+    3      300 + 300 mixture                                   8 × 512, 8 × 1,024
+    4      150 + 300 mixture                                   8 × 1,024, 4 × 2,048
+    5      150 + 300 mixture                                   4 × 2,048, 2 × 4,096
+    6-8    450, 300 and 300 mixture                            2 × 4,096
+    =====  ==================================================  ====================
 
     Rung 1 (pass keys at every depth of 1K and 2K contexts) is within reach after stage 4, rung 2
     (4K) after the later ones. A third of the rows are passkey cases and task answers weigh 50

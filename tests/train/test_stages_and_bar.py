@@ -1,0 +1,170 @@
+"""Training in stages and the shipping bar: a stage checkpoint is written at each stage end, a
+run without its full state continues from it (fresh moments, re-warm-up, the same data steps);
+the bar's cases sit where their cells say, its teacher-forced scoring agrees with the card's and
+with greedy generation, and its rung rule passes and fails on hand-built cells."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from replaykv.model.init import init_weights
+from replaykv.model.presets_v41 import v41_tiny
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.train import loop
+from replaykv.train.bar import BarSpec, bar_cases, meets, rung, score_cases
+from replaykv.train.data import load_corpus
+from replaykv.train.evaluate import task_accuracy, wilson
+from replaykv.train.recipes import EvalSpec, Mixture, Phase, tiny
+
+
+@pytest.fixture(scope="module")
+def corpus():  # type: ignore[no-untyped-def]
+    return load_corpus(max_files=40, heldout_percent=25)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _staged():  # type: ignore[no-untyped-def]
+    mix = Mixture(text=0.5, passkey=0.5, multihop=0.0, chain=0.0, extract=0.0, tool=0.0)
+    return dataclasses.replace(
+        tiny(),
+        phases=(Phase("base", 6, 64, 2, mix),),
+        warmup=1,
+        quick_eval=None,
+        checkpoint_every=2,
+        stages=(3, 6),
+        rewarmup=2,
+    )
+
+
+def _log(out):  # type: ignore[no-untyped-def]
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_a_stage_checkpoint_lets_a_bare_machine_continue(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
+    recipe = _staged()
+    out = tmp_path / "run"
+    first = loop.train(recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False)
+    assert first.steps == 3 and not first.exported
+    info = loop.read_stage(out / "stage")
+    assert info is not None and (info["stage"], info["step"], info["recipe"]) == (1, 3, "tiny")
+    assert info["recipe_digest"] == recipe.digest() and info["stage_seconds"]["1"] > 0
+    # The exact continuation, for reference.
+    exact = tmp_path / "exact"
+    shutil.copytree(out, exact)
+    warm = loop.train(recipe, exact, resume=True, corpus=corpus, progress=False, evaluate_at_end=False)
+    # A machine with the committed stage only: no train_state/, fresh moments, ramped rate.
+    shutil.rmtree(out / "train_state")
+    cold = loop.train(recipe, out, resume=True, corpus=corpus, progress=False, evaluate_at_end=False)
+    assert cold.steps == warm.steps == 6
+    records = _log(out)
+    assert any(r.get("cold_resume") for r in records)
+    rates = {r["step"]: r["lr"] for r in records if "lr" in r and r["step"] > 3}
+    assert rates[4] == pytest.approx(recipe.lr_at(3) / 3) and rates[5] == pytest.approx(
+        recipe.lr_at(4) * 2 / 3
+    )
+    assert rates[6] == pytest.approx(recipe.lr_at(5))
+    final = loop.read_stage(out / "stage")
+    assert final is not None and (final["stage"], final["step"]) == (2, 6)
+    # The same data steps as the exact run, so the losses are close but the moments differ.
+    exact_loss = {r["step"]: r["loss"] for r in _log(exact) if "loss" in r}
+    cold_loss = {r["step"]: r["loss"] for r in records if "loss" in r and r["step"] > 3}
+    assert abs(cold_loss[4] - exact_loss[4]) < 0.5
+    shipped = tmp_path / "weights"
+    loop.ship_stage(out / "stage", shipped)
+    assert (shipped / "model.safetensors").read_bytes() == (out / "stage" / "model.safetensors").read_bytes()
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        loop.train(_staged(), tmp_path / "none", resume=True, corpus=corpus, progress=False)
+
+
+def test_stages_must_end_at_the_recipe_end() -> None:
+    with pytest.raises(ValueError, match="stages"):
+        dataclasses.replace(_staged(), stages=(3, 5))
+    with pytest.raises(ValueError, match="stages"):
+        dataclasses.replace(_staged(), stages=(4, 3, 6))
+
+
+def _model() -> DeepseekV41ForCausalLM:
+    model = DeepseekV41ForCausalLM(v41_tiny())
+    init_weights(model, seed=3)
+    return model.eval()
+
+
+SPEC = BarSpec(
+    rung1_lengths=(144,),
+    rung2_lengths=(192,),
+    cases=3,
+    tail_depths=(("before last W", 34), ("inside last W", 26)),
+    offsets=(0, 8),
+)
+
+
+def test_bar_cases_put_the_key_where_the_cell_says(corpus) -> None:  # type: ignore[no-untyped-def]
+    cells = bar_cases(corpus["heldout"], SPEC, 144, window=8)
+    assert set(cells) == {
+        "passkey@0", "passkey@0.25", "passkey@0.5", "passkey@0.75",
+        "passkey@before last W", "passkey@inside last W", "multihop", "chain",
+    }  # fmt: skip
+    assert all(len(v) == 3 and all(len(c.prompt) == 144 for c in v) for v in cells.values())
+    assert all(c.evidence[1] == 144 - 34 for c in cells["passkey@before last W"])
+    assert all(c.evidence[1] == 144 - 26 for c in cells["passkey@inside last W"])
+    start, late = cells["passkey@0"], cells["passkey@0.75"]
+    assert max(c.evidence[0] for c in start) < min(c.evidence[0] for c in late)
+
+
+def test_bar_scoring_agrees_with_the_card_and_with_greedy_generation(corpus) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    cells = bar_cases(corpus["heldout"], SPEC, 144, window=8)
+    cases = [c for v in cells.values() for c in v]
+    ours = score_cases(model, cases, SPEC)
+    card = EvalSpec(
+        prompt_len=144, cases=0, passkey_depths=(), passkey_per_depth=0, offsets=(0, 8),
+        text_sequences=0, text_len=0, batch=4,
+    )  # fmt: skip
+    theirs = task_accuracy(model, cases, card)
+    full = sum(r["full"]["k"] for t, r in theirs.items() if t != "passkey_by_depth")
+    assert ours["forced"]["k"] == full and ours["forced"]["n"] == len(cases)
+    worst_k = {o: sum(r["offsets"][str(o)]["k"] for t, r in theirs.items() if "offsets" in r) for o in (0, 8)}
+    assert {int(o): v["k"] for o, v in ours["bounded"].items()} == worst_k
+    # Greedy reproduces an answer exactly when every teacher-forced argmax is right (no JSON here).
+    assert ours["greedy"]["k"] == ours["forced"]["k"]
+
+
+def _cells(acc: float, n: int = 40, lo_margin: float = 0.25) -> dict:  # type: ignore[type-arg]
+    k = round(acc * n)
+    keys = [f"passkey@{d:g}" for d in SPEC.depths] + [f"passkey@{label}" for label, _ in SPEC.tail_depths]
+    out = {key: {"forced": wilson(k, n), "greedy": wilson(k, n), "chance": 1e-5} for key in keys}
+    for t in ("multihop", "chain"):
+        out[t] = {"forced": wilson(round(n * (0.25 + lo_margin)), n), "chance": 0.25}
+    return out
+
+
+def test_the_rung_rule() -> None:
+    spec = dataclasses.replace(SPEC, cases=40)
+    assert meets(_cells(0.975), spec) and not meets(_cells(0.925), spec)
+    assert not meets(_cells(0.975, lo_margin=0.0), spec)  # chains at chance
+    weak = _cells(0.975)
+    weak["passkey@inside last W"]["greedy"] = wilson(30, 40)
+    assert not meets(weak, spec)
+    assert not meets(_cells(1.0, n=20), spec)  # too few cases per cell
+    short = _cells(1.0)
+    del short["passkey@0.5"]
+    assert not meets(short, spec)
+    assert rung({"144": _cells(1.0), "192": _cells(1.0)}, spec) == 2
+    assert rung({"144": _cells(1.0), "192": _cells(0.5)}, spec) == 1
+    assert rung({"144": _cells(0.5), "192": _cells(1.0)}, spec) == 0
+    assert rung({"192": _cells(1.0)}, spec) == 0
