@@ -750,6 +750,32 @@ class PackStore(LocalStore[_Entry]):
                 self._count_drop(dropped, now)
         return True
 
+    def _evict_for_disk(self, size: int, now: float) -> bool:
+        """The file system is full (ENOSPC) although the capacity is not: evict whole packs, the
+        one with the longest-unused entry first, until ``size`` bytes are freed, and reserve
+        ``size`` again for one more try of the write. False (nothing reserved) if nothing could
+        be evicted."""
+        with self._lock:
+            freed = 0
+            for entry in list(self._index.values()):
+                if freed >= size:
+                    break
+                pack = entry.pack
+                if pack.pack_id in self._publishing or pack.removed:
+                    continue
+                freed += pack.size
+                for key in list(pack.keys):
+                    dropped = self._drop_locked(key, tombstone=False)
+                    if dropped is not None:
+                        self.metrics.evictions.inc()
+            if freed == 0:
+                return False
+            self._reserved += size
+        _log.warning(
+            "store: %s is full (ENOSPC); evicted %d bytes of packs to retry a write", self.root, freed
+        )
+        return True
+
     # ---------------------------------------------------------------- descriptors
     def _acquire(self, pack: _Pack) -> int:
         """An open read descriptor of ``pack`` (call with _lock held; pair with :meth:`_release`)."""
@@ -867,6 +893,8 @@ class PackStore(LocalStore[_Entry]):
                 with self._write_lock:
                     size, reserved = reserved, 0  # _write_batch releases the reservation
                     stage, error, published = self._write_batch(fitted, size, now)
+                    if error is not None and error.errno == errno.ENOSPC and self._evict_for_disk(size, now):
+                        stage, error, published = self._write_batch(fitted, size, now)
         finally:
             if reserved:
                 with self._lock:

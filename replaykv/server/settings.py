@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from replaykv.cache.stores import STORE_FORMATS
+from replaykv.cache.stores import STORE_FORMATS, capacity_bytes, parse_capacity
 from replaykv.cli_parser import ArgumentParser
 from replaykv.model.presets import all_presets
 from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags
@@ -189,6 +189,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("redis_url", _to_str, None, "Redis URL of --swa-pool redis, e.g. redis://127.0.0.1:6379/0", engine=True),
     Option("swa_pool_ttl", _to_float, None, "seconds a window snapshot stays in the pool", engine=True),
     Option("cache_dir", _to_str, None, "directory of the persistent global-KV store ('off': no store)", engine=True),
+    Option("store_capacity", parse_capacity, None, "bound on the store's bytes: with units (500GB, 2GiB) or a share of its file system (0.5, 50%%); default 16 GiB; on a full disk the oldest-used packs are evicted and the write retried once", metavar="SIZE", engine=True),
     Option("store_format", _to_str, None, "layout of a new store: 'pack' (a file per written batch, the default) or 'file' (a file per entry); an existing store keeps its own", choices=STORE_FORMATS, engine=True),
     Option("context_length", _to_int, None, "tokens per request, prompt + generated", engine=True),
     Option("max_running_requests", _to_int, None, "requests decoded together", engine=True),
@@ -208,6 +209,7 @@ ENGINE_FIELDS = {
     "context_length": "max_context",
     "swa_pool_ttl": "swa_pool_ttl_s",
     "cache_dir": "store_dir",
+    "store_capacity": "store_capacity_bytes",
     "inject_fault": "fault",
 }
 """Setting name → EngineConfig field, where they differ (settings follow SGLang's flag names)."""
@@ -301,7 +303,7 @@ class Settings:
     def engine_config(self) -> EngineConfig:
         """The engine's config: model source, replay switches and every engine option that was set
         (the others keep EngineConfig's defaults)."""
-        from replaykv.engine.config import EngineConfig
+        from replaykv.engine.config import EngineConfig, default_store_dir
 
         model_dir = self.model_dir
         kwargs: dict[str, Any] = {
@@ -315,6 +317,8 @@ class Settings:
             if opt.engine and value is not None:
                 if opt.name in ("swa_pool", "cache_dir") and value == "off":
                     value = None
+                if opt.name == "store_capacity":
+                    value = capacity_bytes(value, self.values["cache_dir"] or default_store_dir())
                 kwargs[ENGINE_FIELDS.get(opt.name, opt.name)] = value
         try:
             return EngineConfig(**kwargs)
