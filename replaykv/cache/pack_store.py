@@ -1144,6 +1144,13 @@ class PackStore(LocalStore[_Entry]):
             if not self.read_only:
                 self._copy_to_quarantine(entry, key, reason)
             self._drop_locked(key)
+        _log.error(
+            "store: quarantined entry %s at offset %d of %s (%s)",
+            key_hex(key),
+            entry.offset,
+            entry.pack.path,
+            reason,
+        )
         self.metrics.quarantined.inc()
         self.quarantine_reasons.inc(reason)
 

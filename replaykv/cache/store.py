@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import secrets
 import struct
@@ -52,6 +53,7 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 import xxhash
 
 from replaykv.cache.fileio import (
+    FailureLog,
     crc_sealed,
     errname,
     fsync_dir,
@@ -62,6 +64,8 @@ from replaykv.cache.fileio import (
 )
 from replaykv.cache.keys import KEY_BYTES, KeyNamespace, key_from_hex, key_hex
 from replaykv.cache.metrics import LabeledCounter, TierMetrics
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_IO_THREADS",
@@ -285,6 +289,7 @@ class LocalStore(GlobalKVStore, Generic[_E]):
         self.orphans_swept = 0
         self.temp_files_seen = 0
         self.unknown_files = 0
+        self.write_failures = FailureLog(_log, "store write")
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _E] = OrderedDict()  # oldest access first
         if not read_only:
@@ -393,6 +398,17 @@ class _Write:
     reserved: bool = False
     renamed: bool = False
     durable: bool = False
+
+    def again(self) -> _Write:
+        """A fresh try of this write, under a new temp name."""
+        head, _, _ = self.tmp.rpartition(".")  # .<hex>.<pid>.<rand> . tmp
+        base = head.rpartition(".")[0]
+        return _Write(self.index, self.key, self.view, self.size, self.directory, self.final,
+                      f"{base}.{secrets.token_hex(6)}.tmp")  # fmt: skip
+
+
+def _disk_full(w: _Write) -> bool:
+    return not w.durable and w.stage != "capacity" and w.error is not None and w.error.errno == errno.ENOSPC
 
 
 _T = TypeVar("_T")
@@ -627,17 +643,21 @@ class DirectoryStore(LocalStore[_Entry]):
             directory = self._dir_for(hexkey)
             tmp = f"{directory}/.{hexkey}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
             writes.append(_Write(i, key, view, size, directory, f"{directory}/{hexkey}.kv", tmp))
-        try:
-            self._make_dirs(writes)
-            self._parallel(lambda w: self._write_temp(w, meta, now), [w for w in writes if w.error is None])
-            ready = [w for w in writes if w.error is None]
-            if ready:
-                self._publish(ready, now)
-        finally:
-            for w in writes:
-                if not w.renamed:
-                    with contextlib.suppress(OSError):
-                        os.unlink(w.tmp)
+        self._write_round(writes, meta, now)
+        full = [w for w in writes if _disk_full(w)]
+        if full and self._evict_for_disk(sum(w.size for w in full), {w.key for w in writes}, now):
+            retries = [w.again() for w in full]
+            self._write_round(retries, meta, now)
+            by_index = {w.index: w for w in retries}
+            writes = [by_index.get(w.index, w) for w in writes]
+        if any(w.durable for w in writes):
+            self.write_failures.recovered()
+        failed = [w for w in writes if not w.durable]
+        if failed:
+            error = failed[0].error or OSError(errno.EIO, "entry not published")
+            self.write_failures.failed(
+                f"{failed[0].stage}:{errname(error)}", f"{len(failed)} entries under {self.root}"
+            )
         first_error: OSError | None = None
         for w in writes:
             if w.durable:
@@ -650,6 +670,41 @@ class DirectoryStore(LocalStore[_Entry]):
         if raise_on_error and first_error is not None:
             raise first_error
         return results
+
+    def _write_round(self, writes: list[_Write], meta: EntryMeta, now: float) -> None:
+        try:
+            self._make_dirs(writes)
+            self._parallel(lambda w: self._write_temp(w, meta, now), [w for w in writes if w.error is None])
+            ready = [w for w in writes if w.error is None]
+            if ready:
+                self._publish(ready, now)
+        finally:
+            for w in writes:
+                if not w.renamed:
+                    with contextlib.suppress(OSError):
+                        os.unlink(w.tmp)
+
+    def _evict_for_disk(self, size: int, keep: set[bytes], now: float) -> bool:
+        """The file system is full (ENOSPC) although the capacity is not: evict the entries used
+        longest ago until ``size`` bytes are freed, for one more try of the failed writes. False
+        if nothing could be evicted."""
+        with self._lock:
+            victims: list[bytes] = []
+            freed = 0
+            for key, entry in self._index.items():
+                if freed >= size:
+                    break
+                if key in keep or key in self._publishing:
+                    continue
+                victims.append(key)
+                freed += entry.size
+            for key in victims:
+                if self._drop_locked(key) is not None:
+                    self.metrics.evictions.inc()
+                    self._remove_file(key)
+        if victims:
+            _log.warning("store: %s is full (ENOSPC); evicted %d bytes to retry a write", self.root, freed)
+        return bool(victims)
 
     def _make_dirs(self, writes: list[_Write]) -> None:
         """Create missing fan-out directories; record which directory fsyncs each entry needs.
@@ -915,6 +970,7 @@ class DirectoryStore(LocalStore[_Entry]):
                 return False
         self.metrics.quarantined.inc()
         self.quarantine_reasons.inc(reason)
+        _log.error("store: quarantined entry %s (%s) to %s", path, reason, target)
         return True
 
     def _quarantine_if_same(self, key: bytes, path: str | Path, st: os.stat_result, reason: str) -> None:

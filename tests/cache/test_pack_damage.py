@@ -5,6 +5,7 @@ bytes are never served, and every intact batch is kept; a crash's torn tail stay
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from collections.abc import Callable
@@ -182,7 +183,9 @@ def test_a_torn_last_batch_is_a_crash_not_damage(tmp_path: Path, capsys: pytest.
     )
 
 
-def test_the_issue_reproduction_ten_batches_magic_of_the_fourth_zeroed(tmp_path: Path) -> None:
+def test_the_issue_reproduction_ten_batches_magic_of_the_fourth_zeroed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = PackStore(tmp_path, 1 << 30, pack_bytes=1 << 20)
     for b in range(10):
         assert store.put_many([(key_of(b, i), value_of(b, i)) for i in range(4)]) == [True] * 4
@@ -190,7 +193,11 @@ def test_the_issue_reproduction_ten_batches_magic_of_the_fourth_zeroed(tmp_path:
     assert where is not None
     offsets = pack_mod._read_index(where[0][:-5] + ".idx")
     _edit(Path(where[0]), lambda raw: raw.__setitem__(slice(offsets[3], offsets[3] + 8), bytes(8)))
-    reopened = PackStore(tmp_path, 1 << 30)
+    with caplog.at_level(logging.ERROR, logger="replaykv.cache.pack_store"):
+        reopened = PackStore(tmp_path, 1 << 30)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"store: damaged batch in {where[0]} at offset {offsets[3]} ({offsets[4] - offsets[3]} bytes): bad_batch"
+    ]
     assert len(reopened) == 36 and reopened.stats()["corrupt_batches"] == 1
     assert all(reopened.get(key_of(b, i)) == value_of(b, i) for b in range(10) if b != 3 for i in range(4))
     assert not any(reopened.contains(key_of(3, i)) for i in range(4))

@@ -1,10 +1,11 @@
-"""A pack store on a full file system: on ENOSPC it evicts the least recently used packs and
-retries the write once; on a real 2 MiB tmpfs (when this process may mount one) it keeps
-accepting writes without any capacity set below the disk."""
+"""Both stores on a full file system: on ENOSPC they evict what was used longest ago and retry
+the write once, and log the failure once and the recovery; on a real 2 MiB tmpfs (when this
+process may mount one) the pack store keeps accepting writes with a capacity far above the disk."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -13,14 +14,20 @@ from pathlib import Path
 import pytest
 
 from replaykv.cache.pack_store import PackStore
+from replaykv.cache.store import DirectoryStore
 from tests.cache.conftest import FakeClock
 from tests.cache.test_store import k, payload_for
 
 
+@pytest.mark.parametrize("fmt", ["pack", "file"])
 def test_enospc_evicts_the_oldest_pack_and_retries_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: FakeClock, fmt: str
 ) -> None:
-    store = PackStore(tmp_path, 1 << 30, clock=clock, pack_bytes=0)
+    store: PackStore | DirectoryStore = (
+        PackStore(tmp_path, 1 << 30, clock=clock, pack_bytes=0)
+        if fmt == "pack"
+        else DirectoryStore(tmp_path, 1 << 30, clock=clock)
+    )
     for i in range(3):
         assert store.put(k(i), payload_for(i))
         clock.advance(10)
@@ -42,28 +49,44 @@ def test_enospc_evicts_the_oldest_pack_and_retries_once(
     store.check_integrity()
 
 
+@pytest.mark.parametrize("fmt", ["pack", "file"])
 def test_enospc_that_persists_fails_the_write_after_one_retry(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    clock: FakeClock,
+    fmt: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store = PackStore(tmp_path, 1 << 30, clock=clock, pack_bytes=0)
+    store: PackStore | DirectoryStore = (
+        PackStore(tmp_path, 1 << 30, clock=clock, pack_bytes=0)
+        if fmt == "pack"
+        else DirectoryStore(tmp_path, 1 << 30, clock=clock)
+    )
     for i in range(3):
         assert store.put(k(i), payload_for(i))
         clock.advance(10)
     real_write = os.write
-    calls = [0]
 
     def full(fd: int, data: bytes) -> int:
         if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
-            calls[0] += 1
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full)
-    assert store.put(k(9), payload_for(9)) is False
-    monkeypatch.undo()
-    assert calls[0] == 2 and store.stats()["errors"] == {"write:ENOSPC": 1}
-    assert sorted(store.indexed_keys()) == sorted([k(1), k(2)])  # one eviction, then it gave up
+    with caplog.at_level(logging.WARNING, logger="replaykv.cache"):
+        assert store.put(k(9), payload_for(9)) is False
+        assert store.put(k(8), payload_for(8)) is False
+        monkeypatch.undo()
+        assert store.put(k(7), payload_for(7))
+    assert store.stats()["errors"] == {"write:ENOSPC": 2}
+    assert sorted(store.indexed_keys()) == sorted(
+        [k(2), k(7)]
+    )  # each failed write evicted one entry, then gave up
     store.check_integrity()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("store write failed (write:ENOSPC)" in m for m in messages) == 1  # the first, not each
+    assert sum("store write works again" in m for m in messages) == 1
+    assert sum("is full (ENOSPC); evicted" in m for m in messages) == 2
 
 
 @pytest.fixture
