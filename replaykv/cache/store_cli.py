@@ -62,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", parents=[common], help="entries, bytes, quarantine and temp files")
-    verify = sub.add_parser("verify", parents=[common], help="check every entry's header and payload digest")
+    verify = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="check every entry's header and payload digest (and, for packs, every batch and that no pack is missing)",
+    )
     verify.add_argument("--quarantine", action="store_true", help="move bad entries to quarantine/")
     gc = sub.add_parser("gc", parents=[common], help="apply retention and capacity, purge old quarantine")
     gc.add_argument(
