@@ -1,10 +1,12 @@
-"""The Python snippet `replaykv serve` prints runs as pasted against the live server, and every
-module it imports comes with the `serve` extra that `make serve` installs."""
+"""The snippets `replaykv serve` prints run as pasted against the live server: the Python one
+(every module it imports comes with the `serve` extra that `make serve` installs) and the curl
+command."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -31,7 +33,7 @@ def _requirement_name(req: str) -> str:
     return re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("_", "-")
 
 
-def test_the_printed_python_snippet_runs_with_the_serve_extra(tmp_path: Path) -> None:
+def test_the_printed_snippets_run_with_the_serve_extra(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "replaykv", "serve", "--preset", "tiny", "--port", "0"]
     cmd += ["--cache-dir", str(tmp_path), "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAYKV_")}
@@ -71,6 +73,12 @@ def test_the_printed_python_snippet_runs_with_the_serve_extra(tmp_path: Path) ->
         )
         assert ran.returncode == 0, ran.stderr
         assert "completion_tokens=" in ran.stdout, ran.stdout
+
+        curl = textwrap.dedent(out.split("Try it:\n", 1)[1].split("\n\n", 1)[0])
+        assert curl.startswith("curl "), out
+        got = subprocess.run(["bash", "-c", curl + " --fail --silent --show-error"], capture_output=True, text=True, timeout=120)
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["usage"]["completion_tokens"] > 0, got.stdout
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
