@@ -26,9 +26,7 @@ the chance level) at those lengths. Rung 2: the same at the rung-2 lengths. Not 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -39,30 +37,10 @@ from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus
 from replaykv.train.evaluate import eval_controls, wilson
 from replaykv.train.paths import follow_up_plan, fork_view, run_plan
+from replaykv.train.recipes import BarSpec
 from replaykv.train.tasks import TOKENIZER, TaskSample, generate, score
 
 BAR_TASKS = ("passkey", "multihop", "chain")
-
-
-@dataclass(frozen=True)
-class BarSpec:
-    """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
-    `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
-    as (label, tokens); a tokens value above W puts it before the question's window."""
-
-    rung1_lengths: tuple[int, ...] = (1024, 2048)
-    rung2_lengths: tuple[int, ...] = (4096,)
-    extra_lengths: tuple[int, ...] = ()  # measured, not part of a rung (8K, 16K)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
-    tail_depths: tuple[tuple[str, int], ...] = (("before last W", 140), ("inside last W", 60))
-    cases: int = 40
-    offsets: tuple[int, ...] = (0, 128)
-    pass_rate: float = 0.95
-    batch: int = 4
-    seed: int = 77773
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def bar_cases(heldout: Corpus, spec: BarSpec, length: int, window: int) -> dict[str, list[TaskSample]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from replaykv.train.recipes import RECIPES, get_recipe
+from replaykv.train.recipes import RECIPES, Recipe, get_recipe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (memory only)")
     p.add_argument("--eval-only", action="store_true", help="evaluate OUT's model and rewrite its card")
+    p.add_argument(
+        "--bar",
+        action="store_true",
+        help="score the stage checkpoint (OUT/stage/, or --from-stage) on the recipe's shipping bar: "
+        "writes bar.json, MODEL_CARD.md and the rung into stage.json (with --ship, then copies it)",
+    )
+    p.add_argument(
+        "--bar-lengths", default=None, help="comma-separated context lengths for --bar (default: the bar's)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to OUT)")
     return p
 
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     recipe = get_recipe(args.recipe)
     try:
+        if args.bar:
+            return _bar(recipe, args)
         if args.eval_only:
             evaluate_only(recipe, args.out, args.device, args.init)
             print(f"wrote {args.out}/metrics.json and MODEL_CARD.md")
@@ -95,6 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{recipe.name}: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s ({rate:,.0f} tokens/s); {done}"
     )
+    return 0
+
+
+def _bar(recipe: Recipe, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from replaykv.train.loop import resolve_device
+    from replaykv.train.stages import STAGE_DIR, evaluate_stage, ship_stage, shipped_dir
+
+    try:
+        lengths = tuple(int(x) for x in args.bar_lengths.split(",")) if args.bar_lengths else None
+    except ValueError:
+        print(
+            f"error: --bar-lengths takes comma-separated integers, got {args.bar_lengths!r}", file=sys.stderr
+        )
+        return 2
+    directory = Path(args.from_stage) if args.from_stage else Path(args.out) / STAGE_DIR
+    result = evaluate_stage(recipe, directory, resolve_device(args.device), lengths)
+    print(f"{directory}: rung {result['rung']}; wrote bar.json, MODEL_CARD.md, stage.json")
+    target = shipped_dir(recipe)
+    if args.ship and target is not None:
+        ship_stage(directory, target)
+        print(f"copied to {target}")
     return 0
 
 

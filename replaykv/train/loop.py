@@ -34,7 +34,6 @@ import copy
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import threading
@@ -59,12 +58,18 @@ from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.paths import IndexerDistillation, path_losses
 from replaykv.train.recipes import Phase, Recipe
+from replaykv.train.stages import (
+    MAX_EXPORT_BYTES,
+    STAGE_DIR,
+    cold_start,
+    read_stage,
+    rewarmed_lr,
+    ship_stage,
+    shipped_dir,
+    write_stage,
+)
 
 STATE = "train_state/state.pt"
-STAGE_DIR = "stage"
-STAGE_FILE = "stage.json"
-MAX_EXPORT_BYTES = 30 * 1024 * 1024
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 
 
 class RouterBalance:
@@ -237,87 +242,6 @@ def median_step_seconds(out: Path, recipe: Recipe) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def shipped_dir(recipe: Recipe) -> Path | None:
-    """The package directory this recipe's committed stage checkpoints live in, if any."""
-    return WEIGHTS_DIR / recipe.ship_as if recipe.ship_as else None
-
-
-def read_stage(directory: str | Path) -> dict[str, Any] | None:
-    """stage.json of a stage checkpoint, or None when `directory` holds none."""
-    path = Path(directory) / STAGE_FILE
-    if not (path.is_file() and (Path(directory) / "model.safetensors").is_file()):
-        return None
-    return dict(json.loads(path.read_text()))
-
-
-def write_stage(model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any]) -> dict[str, Any]:
-    """Write a stage checkpoint (bf16 export, tokenizer, stage.json) into `directory`, replacing
-    what was there; returns the stage.json record. The files are written beside and renamed in,
-    so an interrupted write leaves the previous checkpoint whole."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
-    save_pretrained(shipped, tmp)  # type: ignore[arg-type]
-    ByteTokenizer().save(tmp)
-    size = (tmp / "model.safetensors").stat().st_size
-    if size > MAX_EXPORT_BYTES:
-        print(f"warning: a stage checkpoint of {size / 2**20:.1f} MiB is over the 30 MiB budget")
-    record = {
-        "recipe": recipe.name,
-        "recipe_digest": recipe.digest(),
-        "stages": len(recipe.stage_ends),
-        "torch": torch.__version__,
-        **info,
-    }
-    (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    old = directory.with_name(directory.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    if old.exists():
-        shutil.rmtree(old)
-    return record
-
-
-def ship_stage(source: Path, target: Path) -> None:
-    """Copy a stage checkpoint's files into the package directory `target`, keeping its card
-    and metrics when the stage is the one they describe."""
-    target.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if f.is_file():
-            shutil.copy2(f, target / f.name)
-
-
-def _cold_start(recipe: Recipe, out: Path, source: str | Path | None) -> Path | None:
-    """The stage checkpoint a run without its full state continues from: `source` when given,
-    else OUT/stage/, else the recipe's committed one; None when there is none."""
-    candidates = [Path(source)] if source is not None else [out / STAGE_DIR]
-    if source is None and shipped_dir(recipe) is not None:
-        candidates.append(shipped_dir(recipe))  # type: ignore[arg-type]
-    for c in candidates:
-        info = read_stage(c)
-        if info is not None:
-            if info.get("recipe") != recipe.name:
-                raise ValueError(f"{c} is a stage of recipe {info.get('recipe')!r}, not {recipe.name!r}")
-            return c
-    if source is not None:
-        raise FileNotFoundError(f"{source} holds no stage checkpoint ({STAGE_FILE} + model.safetensors)")
-    return None
-
-
-def rewarmed_lr(recipe: Recipe, step: int, cold_from: int | None) -> float:
-    """The schedule's rate at `step`, ramped over `recipe.rewarmup` steps after a cold resume at
-    step `cold_from` (None: no ramp)."""
-    lr = recipe.lr_at(step)
-    if cold_from is not None and recipe.rewarmup > 0 and step - cold_from < recipe.rewarmup:
-        lr *= (step - cold_from + 1) / (recipe.rewarmup + 1)
-    return lr
-
-
 def train(
     recipe: Recipe,
     out: str | Path,
@@ -353,7 +277,7 @@ def train(
     dev = resolve_device(device)
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     continuing = resume and state_path.exists()
-    cold = _cold_start(recipe, out, from_stage) if resume and not continuing else None
+    cold = cold_start(recipe, out, from_stage) if resume and not continuing else None
     if resume and not continuing and cold is None:
         raise FileNotFoundError(
             f"nothing to resume: no {state_path} and no stage checkpoint of recipe {recipe.name!r} "

@@ -129,6 +129,27 @@ class EvalSpec:
 
 
 @dataclass(frozen=True)
+class BarSpec:
+    """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
+    `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
+    as (label, tokens); a tokens value above W puts it before the question's window."""
+
+    rung1_lengths: tuple[int, ...] = (1024, 2048)
+    rung2_lengths: tuple[int, ...] = (4096,)
+    extra_lengths: tuple[int, ...] = ()  # measured, not part of a rung (8K, 16K)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
+    tail_depths: tuple[tuple[str, int], ...] = (("before last W", 140), ("inside last W", 60))
+    cases: int = 40
+    offsets: tuple[int, ...] = (0, 128)
+    pass_rate: float = 0.95
+    batch: int = 4
+    seed: int = 77773
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     preset: str
@@ -161,6 +182,7 @@ class Recipe:
     log_every: int = 10
     quick_eval: EvalSpec | None = None
     final_eval: EvalSpec | None = None
+    bar: BarSpec | None = None  # the shipping bar (see replaykv.train.bar); None: no rung
     corpus_files: int | None = None  # None: every stdlib file
     init_from: str | None = None  # recipe whose export initialises this one (--init DIR)
     # Global steps at which the stages end (increasing, the last one `total_steps`; empty: one
@@ -377,6 +399,7 @@ def small() -> Recipe:
         final_eval=_SMALL_EVAL,
         stages=SMALL_STAGES,
         ship_as="small",
+        bar=BarSpec(extra_lengths=(8192, 16384)),
     )
 
 
@@ -398,6 +421,7 @@ def adapt() -> Recipe:
         final_eval=_SMALL_EVAL,
         init_from="small",
         ship_as="small-adapted",
+        bar=BarSpec(),
     )
 
 

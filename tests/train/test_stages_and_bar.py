@@ -15,7 +15,7 @@ import torch
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.train import loop
+from replaykv.train import loop, stages
 from replaykv.train.bar import BarSpec, bar_cases, meets, rung, score_cases
 from replaykv.train.data import load_corpus
 from replaykv.train.evaluate import task_accuracy, wilson
@@ -57,7 +57,7 @@ def test_a_stage_checkpoint_lets_a_bare_machine_continue(tmp_path, corpus) -> No
     out = tmp_path / "run"
     first = loop.train(recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False)
     assert first.steps == 3 and not first.exported
-    info = loop.read_stage(out / "stage")
+    info = stages.read_stage(out / "stage")
     assert info is not None and (info["stage"], info["step"], info["recipe"]) == (1, 3, "tiny")
     assert info["recipe_digest"] == recipe.digest() and info["stage_seconds"]["1"] > 0
     # The exact continuation, for reference.
@@ -75,14 +75,14 @@ def test_a_stage_checkpoint_lets_a_bare_machine_continue(tmp_path, corpus) -> No
         recipe.lr_at(4) * 2 / 3
     )
     assert rates[6] == pytest.approx(recipe.lr_at(5))
-    final = loop.read_stage(out / "stage")
+    final = stages.read_stage(out / "stage")
     assert final is not None and (final["stage"], final["step"]) == (2, 6)
     # The same data steps as the exact run, so the losses are close but the moments differ.
     exact_loss = {r["step"]: r["loss"] for r in _log(exact) if "loss" in r}
     cold_loss = {r["step"]: r["loss"] for r in records if "loss" in r and r["step"] > 3}
     assert abs(cold_loss[4] - exact_loss[4]) < 0.5
     shipped = tmp_path / "weights"
-    loop.ship_stage(out / "stage", shipped)
+    stages.ship_stage(out / "stage", shipped)
     assert (shipped / "model.safetensors").read_bytes() == (out / "stage" / "model.safetensors").read_bytes()
 
 
@@ -168,3 +168,18 @@ def test_the_rung_rule() -> None:
     assert rung({"144": _cells(1.0), "192": _cells(0.5)}, spec) == 1
     assert rung({"144": _cells(0.5), "192": _cells(1.0)}, spec) == 0
     assert rung({"192": _cells(1.0)}, spec) == 0
+
+
+def test_a_stage_scored_on_the_bar_records_its_rung_and_card(tmp_path, corpus, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    recipe = dataclasses.replace(_staged(), bar=dataclasses.replace(SPEC, cases=2))
+    out = tmp_path / "run"
+    loop.train(recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False)
+    monkeypatch.setattr("replaykv.train.data.load_corpus", lambda max_files=None: corpus)
+    result = stages.evaluate_stage(recipe, out / "stage", torch.device("cpu"), lengths=(144,))
+    assert result["rung"] == 0 and set(result["lengths"]) == {"144"}  # a 3-step model
+    info = stages.read_stage(out / "stage")
+    assert info is not None and info["rung"] == 0 and info["bar_digest"] == result["spec_digest"]
+    card = (out / "stage" / "MODEL_CARD.md").read_text()
+    assert "stage 1 of 2" in card and "passkey@inside last W" in card and "Rung reached: **0**" in card
+    saved = json.loads((out / "stage" / "bar.json").read_text())
+    assert saved["lengths"]["144"]["passkey@0"]["forced"]["n"] == 2
