@@ -175,6 +175,9 @@ def test_a_torn_last_batch_is_a_crash_not_damage(tmp_path: Path, capsys: pytest.
         f.write(pack_mod._batch_head(PER_BATCH, 9000, path.name[:-5]) + payload_for(7, 3000))
     assert main(["verify", "--cache-dir", str(tmp_path), "--json"]) == 0
     capsys.readouterr()
+    assert main(["stats", "--cache-dir", str(tmp_path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["cut_batches"], printed["corrupt_batches"], printed["missing_packs"]) == (1, 0, 0)
     store = PackStore(tmp_path, 1 << 30)
     stats = store.stats()
     assert (stats["cut_batches"], stats["corrupt_batches"], stats["quarantined"]) == (1, 0, 0)
