@@ -347,7 +347,7 @@ def _mixed(
 # Stage boundaries of `small`, each sized for at most 100 minutes of 2 CPU cores (measured step
 # times: 8 × 256 about 2.5 s, 8 × 512 about 4.5 s, 8 × 1,024 about 10.5 s, 4 × 2,048 and
 # 2 × 4,096 about 11-12 s; docs/training.md has the times each stage took).
-SMALL_STAGES = (900, 2000, 2600, 3050, 3500, 3950, 4250, 4550)
+SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550)
 
 
 def small() -> Recipe:
@@ -357,9 +357,9 @@ def small() -> Recipe:
     =====  ==================================================  ====================
     stage  steps                                               rows
     =====  ==================================================  ====================
-    1      400 repeat rows (the copying circuit), 500 mixture  8 × 256, 8 × 512
+    1      400 repeat rows (the copying circuit), 300 mixture  8 × 256, 8 × 512
     2      1,100 mixture                                       8 × 512
-    3      300 + 300 mixture                                   8 × 512, 8 × 1,024
+    3      500 + 300 mixture                                   8 × 512, 8 × 1,024
     4      150 + 300 mixture                                   8 × 1,024, 4 × 2,048
     5      150 + 300 mixture                                   4 × 2,048, 2 × 4,096
     6-8    450, 300 and 300 mixture                            2 × 4,096
