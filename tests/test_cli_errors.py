@@ -43,7 +43,7 @@ def replaykv(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         (["generate", "--preset", "tiny", "--device", "nodevice"], "--device"),
         (["score", "--model", "/nonexistent", "--input-ids", "/nonexistent/ids.json", "--out", "x.npy"], "--input-ids"),
         (["serve", "--port", "abc"], "--port"),
-        (["serve", "--preset", "tiny", "--device", "nodevice"], "device"),
+        (["serve", "--preset", "tiny", "--device", "nodevice"], "--device"),
         (["serve", "--preset", "nope"], "--preset"),
         (["serve", "--max-running-requests", "0"], "--max-running-requests"),
         (["plan", "--no-such-flag"], "--no-such-flag"),

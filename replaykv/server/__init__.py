@@ -74,20 +74,16 @@ def usage_text(url: str, model: str, auth: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`replaykv serve [flags]`: returns the exit status (2 for bad settings)."""
+    from replaykv.cli_parser import UsageError, check_device
     from replaykv.server.settings import SettingsError, load_settings
 
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
+        if settings["device"] is not None:
+            check_device(settings["device"])
         config = settings.engine_config()
         server_settings = settings.server()
-    except SettingsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from replaykv.cli_parser import UsageError, check_device
-
-    try:
-        check_device(config.device)
-    except UsageError as e:
+    except (SettingsError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for warning in settings.warnings:
