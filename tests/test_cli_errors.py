@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from replaykv.engine.config import EngineConfig, default_store_dir
+from tests.cache.conftest import redis_server, redis_url  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,13 +106,7 @@ def test_default_store_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert default_store_dir() == str(Path.home() / ".cache" / "replaykv" / "store")
 
 
-def test_serve_pings_an_unreachable_redis_at_start_up(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"redis://127.0.0.1:{port}/0"
+def _serve_start_up_text(tmp_path: Path, url: str) -> str:
     cmd = [sys.executable, "-m", "replaykv", "serve", "--preset", "tiny", "--port", "0"]
     cmd += ["--swa-pool", "redis", "--redis-url", url, "--cache-dir", str(tmp_path), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
@@ -122,8 +117,25 @@ def test_serve_pings_an_unreachable_redis_at_start_up(tmp_path: Path) -> None:
             lines.append(line)
             if "serving at" in line:
                 break
-        out = "".join(lines)
-        assert f"WARNING: SWA pool Redis at {url} does not answer PING (check --redis-url)" in out, out
+        return "".join(lines)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_pings_an_unreachable_redis_at_start_up(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+    out = _serve_start_up_text(tmp_path, url)
+    assert f"WARNING: SWA pool Redis at {url} does not answer PING (check --redis-url)" in out, out
+
+
+@pytest.mark.redis
+def test_serve_pings_a_live_redis_at_start_up(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+    out = _serve_start_up_text(tmp_path, redis_url)
+    assert f"replaykv: SWA pool Redis at {redis_url} answers PING" in out, out
+    assert "WARNING" not in out
