@@ -17,6 +17,10 @@ Page states (every page is in exactly one)::
     cached   refcount 0, keyed, payload kept (LRU)   -> match_prefix() revives, eviction frees
 
 Conservation: free + used + cached == capacity (``check_integrity``).
+
+A page is charged :attr:`CacheLayout.resident_page_bytes`, the memory its payload really takes
+(a chunk's tensors at the cache dtype, not its packed wire size), so ``budget_bytes`` bounds
+what the pool keeps alive; ``write`` refuses a payload larger than one page.
 """
 
 from __future__ import annotations
@@ -26,11 +30,29 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 
+import torch
+
 from replaykv.cache.keys import KEY_BYTES
-from replaykv.cache.layout import CacheLayout
+from replaykv.cache.layout import CacheLayout, GlobalChunk
 from replaykv.cache.metrics import Gauge, TierMetrics
 
-__all__ = ["DevicePool", "PoolExhausted"]
+__all__ = ["DevicePool", "PoolExhausted", "resident_bytes"]
+
+
+def resident_bytes(payload: object) -> int:
+    """Memory held by a page payload: the bytes of its tensors (a chunk), or its length (bytes)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.untyped_storage().nbytes()
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return len(payload)
+    if isinstance(payload, GlobalChunk):
+        parts: list[torch.Tensor | None] = []
+        for g in payload.sources:
+            parts += [g.entries, g.index_keys]
+        for c in payload.carry:
+            parts += [c.kv, c.gate, c.index_kv, c.index_gate]
+        return sum(resident_bytes(t) for t in parts if t is not None)
+    return 0
 
 
 class PoolExhausted(MemoryError):
@@ -38,7 +60,7 @@ class PoolExhausted(MemoryError):
 
 
 class DevicePool:
-    """Chunk pages within ``budget_bytes``; one page = :attr:`CacheLayout.page_bytes` bytes.
+    """Chunk pages within ``budget_bytes``; one page = :attr:`CacheLayout.resident_page_bytes`.
 
     * ``can_allocate(n)`` / ``allocate(n)``: pages with refcount 1, evicting cached pages (least
       recently used first) when the free list runs short; ``allocate`` raises
@@ -55,7 +77,7 @@ class DevicePool:
     """
 
     def __init__(self, layout: CacheLayout, budget_bytes: int) -> None:
-        page = layout.page_bytes
+        page = layout.resident_page_bytes
         if page <= 0:
             raise ValueError("the model has no global KV, so there is nothing to page")
         if budget_bytes < page:
@@ -140,7 +162,13 @@ class DevicePool:
 
     # ---------------------------------------------------------------- payloads
     def write(self, page: int, payload: object) -> None:
-        """Set the payload of a page the caller holds (a chunk's global KV)."""
+        """Set the payload of a page the caller holds (a chunk's global KV).
+
+        Raises ``ValueError`` when the payload takes more memory than a page.
+        """
+        size = resident_bytes(payload)
+        if size > self.page_bytes:
+            raise ValueError(f"a payload of {size} B does not fit a page of {self.page_bytes} B")
         with self._lock:
             self._check_page(page)
             if self._ref[page] <= 0:

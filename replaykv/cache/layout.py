@@ -249,6 +249,19 @@ class CacheLayout:
         """Data bytes of one full chunk (a device-pool page): Σ sources (C / r) × (entry + index key)."""
         return self.global_bytes(self.chunk_size)
 
+    @property
+    def resident_page_bytes(self) -> int:
+        """Memory one device-pool page holds: a full chunk's entries and index keys as tensors of
+        ``dtype`` (unpacked, whatever the wire format), plus the largest carry a tail keeps."""
+        groups = sum(
+            (self.chunk_size // self.spec.layers[s].ratio)
+            * (self.spec.layers[s].head_dim + self.spec.layers[s].index_dim)
+            * self._elem
+            for s in self.spec.sources
+        )
+        period = 2 * self.spec.group_alignment
+        return groups + max(self.carry_bytes(self.chunk_size + k) for k in range(period))
+
     def _overlapping(self, layer: int, index: bool) -> bool:
         ls = self.spec.layers[layer]
         ring = ls.index_carry_ring if index else ls.carry_ring

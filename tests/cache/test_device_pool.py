@@ -27,17 +27,18 @@ def k(i: int) -> bytes:
 
 def test_sizing_from_layout_and_accounting() -> None:
     lay = layout(quant=True)
-    pool = DevicePool(lay, budget_bytes=10 * lay.page_bytes + 5)
-    assert pool.page_bytes == kv_ledger(v41_tiny()).global_bytes(8)
+    pool = DevicePool(lay, budget_bytes=10 * lay.resident_page_bytes + 5)
+    assert lay.page_bytes == kv_ledger(v41_tiny()).global_bytes(8)
+    assert pool.page_bytes == lay.resident_page_bytes > lay.page_bytes  # float32 tensors, not FP4
     assert pool.capacity == 10
     assert pool.counts() == {"free": 10, "used": 0, "cached": 0, "window": 0}
     with pytest.raises(ValueError, match="smaller than one page"):
-        DevicePool(lay, budget_bytes=lay.page_bytes - 1)
+        DevicePool(lay, budget_bytes=lay.resident_page_bytes - 1)
     pool.check_integrity()
 
 
 def test_allocate_free_cache_match_and_refcounts() -> None:
-    pool = DevicePool(layout(), budget_bytes=4 * layout().page_bytes)
+    pool = DevicePool(layout(), budget_bytes=4 * layout().resident_page_bytes)
     assert pool.can_allocate(4) and not pool.can_allocate(5)
     pages = pool.allocate(3)
     for i, p in enumerate(pages):
@@ -61,7 +62,7 @@ def test_allocate_free_cache_match_and_refcounts() -> None:
 
 
 def test_lru_evicts_unreferenced_tail_first() -> None:
-    pool = DevicePool(layout(), budget_bytes=4 * layout().page_bytes)
+    pool = DevicePool(layout(), budget_bytes=4 * layout().resident_page_bytes)
     a = pool.allocate(3)
     for p in a:
         pool.write(p, p)
@@ -83,7 +84,7 @@ def test_lru_evicts_unreferenced_tail_first() -> None:
 
 
 def test_cache_prefix_keeps_the_first_page_for_a_key() -> None:
-    pool = DevicePool(layout(), budget_bytes=4 * layout().page_bytes)
+    pool = DevicePool(layout(), budget_bytes=4 * layout().resident_page_bytes)
     a, b = pool.allocate(1), pool.allocate(1)
     pool.write(a[0], "a")
     pool.write(b[0], "b")
@@ -98,21 +99,23 @@ def test_cache_prefix_keeps_the_first_page_for_a_key() -> None:
 
 def test_window_rings_are_charged_against_the_budget() -> None:
     lay = layout(quant=True)
-    need = -(-lay.max_snapshot_bytes // lay.page_bytes)
-    pool = DevicePool(lay, budget_bytes=(need + 4) * lay.page_bytes)
+    need = -(-lay.max_snapshot_bytes // lay.resident_page_bytes)
+    spare = need - 1  # req-2 needs `need` pages: one short
+    pool = DevicePool(lay, budget_bytes=(need + spare) * lay.resident_page_bytes)
     assert pool.window_pages(lay.max_snapshot_bytes) == need
     assert pool.reserve_window("req-1")
     assert pool.counts()["window"] == need
     assert pool.stats()["window_bytes"] == lay.max_snapshot_bytes
     assert not pool.reserve_window("req-2")  # does not fit next to req-1: nothing charged
-    assert pool.stats()["window_owners"] == 1 and pool.can_allocate(4) and not pool.can_allocate(5)
+    assert pool.stats()["window_owners"] == 1
+    assert pool.can_allocate(spare) and not pool.can_allocate(spare + 1)
     assert pool.release_window("req-1") and not pool.release_window("req-1")
-    assert pool.counts() == {"free": need + 4, "used": 0, "cached": 0, "window": 0}
+    assert pool.counts() == {"free": need + spare, "used": 0, "cached": 0, "window": 0}
     pool.check_integrity()
 
 
 def test_concurrent_match_and_free() -> None:
-    pool = DevicePool(layout(), budget_bytes=16 * layout().page_bytes)
+    pool = DevicePool(layout(), budget_bytes=16 * layout().resident_page_bytes)
     pages = pool.allocate(8)
     for p in pages:
         pool.write(p, p)
@@ -145,7 +148,7 @@ class DevicePoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = DevicePool(layout(), budget_bytes=6 * layout().page_bytes)
+        self.pool = DevicePool(layout(), budget_bytes=6 * layout().resident_page_bytes)
         self.held: list[list[int]] = []  # references held by fake requests
         self.windows: set[int] = set()
 

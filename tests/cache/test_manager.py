@@ -77,7 +77,7 @@ def make_manager(
         store = DirectoryStore(root, capacity_bytes=1 << 22, retention_s=3600, clock=clock)
     swa = MemorySwaPool(capacity_bytes=1 << 22, ttl_s=300, clock=clock) if pool == "memory" else pool
     assert swa is None or isinstance(swa, SwaPool)
-    device_pool = DevicePool(layout, pages * layout.page_bytes) if device else None
+    device_pool = DevicePool(layout, pages * layout.resident_page_bytes) if device else None
     return CacheManager(
         spec,
         layout.namespace("cfg-test", "weights-0"),
