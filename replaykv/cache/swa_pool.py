@@ -13,6 +13,7 @@ engine replays or recomputes.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 import struct
@@ -26,8 +27,11 @@ from typing import Any
 
 import xxhash
 
+from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.keys import KEY_BYTES, key_hex
 from replaykv.cache.metrics import TierMetrics
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SNAPSHOT_FRAME",
@@ -325,7 +329,9 @@ class RedisSwaPool(SwaPool):
     writers); ``circuit_clock`` times the pause after an error (monotonic).
 
     ``bytes_resident``/``entries`` are not tracked (Redis evicts on its own); ``stats()``
-    adds ``used_memory`` and ``keys`` from Redis when it answers.
+    adds ``used_memory`` and ``keys`` from Redis when it answers. Failures are logged with the
+    address: a warning when a kind starts, at most one a minute while it lasts, one when Redis
+    answers again; quarantined values likewise, with their Redis key.
     """
 
     def __init__(
@@ -387,6 +393,8 @@ class RedisSwaPool(SwaPool):
         self._down_until = 0.0
         self._down_lock = threading.Lock()
         self.metrics = TierMetrics("swa_pool_redis")
+        self._faults = FaultLog(log, f"Redis SWA pool at {self.address}", clock=circuit_clock)
+        self._bad_values = FaultLog(log, f"Redis SWA pool at {self.address}", clock=circuit_clock)
 
     # ---------------------------------------------------------------- helpers
     def redis_key(self, key: bytes) -> str:
@@ -410,6 +418,8 @@ class RedisSwaPool(SwaPool):
             with self._down_lock:
                 self._down_until = self._circuit_clock() + self.retry_after_s
         self.metrics.errors.inc(kind)
+        pause = f"; not calling it for {self.retry_after_s:g} s" if kind in ("timeout", "connection") else ""
+        self._faults.failed(kind, f"{kind} error ({exc}): snapshots are misses{pause}")
         return kind
 
     @property
@@ -439,6 +449,7 @@ class RedisSwaPool(SwaPool):
             self.metrics.record_put(False)
             self._classify(exc)
             return False
+        self._faults.recovered()
         if not ok:
             self.metrics.record_put(False, error="not_set")
             return False
@@ -458,6 +469,7 @@ class RedisSwaPool(SwaPool):
             self._classify(exc)
             self.metrics.record_miss()
             return None
+        self._faults.recovered()
         if value is None:
             self.metrics.record_miss()
             return None
@@ -465,6 +477,9 @@ class RedisSwaPool(SwaPool):
         if isinstance(decoded, str):
             self.metrics.quarantined.inc()
             self.metrics.errors.inc(f"bad_value:{decoded}")
+            self._bad_values.failed(
+                f"bad_value:{decoded}", f"quarantined the value under {rkey} ({decoded}); unlinking it"
+            )
             try:
                 self._client.unlink(rkey)
             except self._redis_errors as exc:
@@ -524,6 +539,7 @@ class RedisSwaPool(SwaPool):
         except self._redis_errors as exc:
             self._classify(exc)
             return False
+        self._faults.recovered()
         with self._down_lock:
             self._down_until = 0.0
         return ok

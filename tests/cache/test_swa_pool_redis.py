@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import time
@@ -207,3 +208,36 @@ def test_unreachable_redis_never_raises() -> None:
     assert not pool.ping()  # ping ignores the circuit and tries again
     assert pool.stats()["errors"] == {"connection": 2, "unavailable": 1}
     assert pool.stats()["circuit_open"] is True
+
+
+def test_an_outage_is_logged_once_then_rate_limited_then_its_recovery(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    circuit = FakeClock(0.0)
+    pool = make_pool(redis_server.url, retry_after_s=0.2, circuit_clock=circuit)
+    caplog.set_level(logging.WARNING, logger="replaykv.cache.swa_pool")
+    assert pool.put(k(1), b"before") and not caplog.records  # healthy: silent
+    redis_server.kill()
+    for _ in range(5):
+        assert pool.get(k(1)) is None
+        circuit.advance(0.2)  # the circuit closes again: every get tries Redis and fails
+    assert len(caplog.records) == 1  # the first failure, not the four after it
+    first = caplog.records[0]
+    assert first.levelno == logging.WARNING and redis_server.url in first.message
+    assert "connection error" in first.message
+    circuit.advance(60)
+    assert pool.get(k(1)) is None  # still down a minute later: one more line, with the count
+    assert len(caplog.records) == 2 and "still failing: 6 times" in caplog.records[1].message
+    assert "4 not logged" in caplog.records[1].message
+    redis_server.start()
+    circuit.advance(0.2)
+    assert pool.put(k(2), b"after")
+    assert len(caplog.records) == 3
+    assert "recovered" in caplog.records[2].message and "connection ×6" in caplog.records[2].message
+    assert pool.stats()["errors"] == {"connection": 6}
+    assert pool.get(k(2)) == b"after" and len(caplog.records) == 3  # recovered once, then silent
+    raw = redis_server.client()
+    raw.set(pool.redis_key(k(3)), b"someone else's value", ex=300)
+    assert pool.get(k(3)) is None
+    assert len(caplog.records) == 4 and pool.redis_key(k(3)) in caplog.records[3].message
+    assert "quarantined" in caplog.records[3].message
