@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import queue
 import threading
 import time
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from replaykv.cache.device_pool import DevicePool
+from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.keys import KeyNamespace, PrefixKeyBuilder, TokenIds, prefix_key_from_parent, token_array
 from replaykv.cache.layout import (
     CacheLayout,
@@ -73,6 +75,8 @@ from replaykv.model.cache_view import CacheView
 from replaykv.model.spec import ModelSpec
 
 __all__ = ["WRITE_POLICIES", "CacheManager", "CachePlan", "snapshot_store_key", "tail_store_key"]
+
+log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("v41", "v4")
 """``v41``: window snapshots go to the SWA pool only. ``v4``: also persisted in the store."""
@@ -225,6 +229,9 @@ class CacheManager:
         self._clock = clock
         self._namespaces: dict[bytes, KeyNamespace] = {}
         self._ns_lock = threading.Lock()
+        where = getattr(store, "root", None)
+        self._load_faults = FaultLog(log, f"cache loads (store {where})" if where else "cache loads")
+        self._write_faults = FaultLog(log, "cache write-back")
         # metrics
         self.requests = _LedgerTokens()
         self.device_tokens = _LedgerTokens()
@@ -485,6 +492,9 @@ class CacheManager:
         except LayoutError as exc:
             self.errors.inc(f"load:{exc.reason}")
             self.store.delete(key)
+            self._load_faults.failed(
+                f"load:{exc.reason}", f"chunk {key.hex()} failed verification ({exc.reason}); deleted it"
+            )
             reasons.append(f"chunk {index} failed verification ({exc.reason}); deleted")
             return None, ""
         self._cache_on_device(key, chunk)
@@ -500,6 +510,9 @@ class CacheManager:
             obj.verify(self.layout, namespace_digest=digest, start=start, end=end)
         except LayoutError as exc:
             self.errors.inc(f"device:{exc.reason}")
+            self._load_faults.failed(
+                f"device:{exc.reason}", f"device page {page} failed verification ({exc.reason})"
+            )
             return None
         return obj
 
@@ -540,6 +553,9 @@ class CacheManager:
         except LayoutError as exc:
             self.errors.inc(f"load:{exc.reason}")
             self.store.delete(key)
+            self._load_faults.failed(
+                f"load:{exc.reason}", f"tail {key.hex()} failed verification ({exc.reason}); deleted it"
+            )
             reasons.append(f"tail entry failed verification ({exc.reason}); deleted")
             return False
         load_chunk(self.layout, tail, view, row)
@@ -564,6 +580,11 @@ class CacheManager:
                 snap = WindowSnapshot.from_bytes(self.layout, data, namespace_digest=digest, end=hit)
             except LayoutError as exc:
                 self.errors.inc(f"load:snapshot_{exc.reason}")
+                self._load_faults.failed(
+                    f"load:snapshot_{exc.reason}",
+                    f"window snapshot {prefix.hex()} from the {source} failed verification ({exc.reason}); "
+                    "deleted it",
+                )
                 delete()
                 continue
             load_snapshot(self.layout, snap, view, row)
@@ -623,6 +644,7 @@ class CacheManager:
             except queue.Full:
                 self.jobs_dropped.inc()
                 self.errors.inc("write:queue_full")
+                self._write_faults.failed("queue_full", "the write-back queue is full: dropping writes")
                 return False
             self.jobs_enqueued.inc()
             self._pending.update(job.keys())
@@ -656,9 +678,13 @@ class CacheManager:
                     return
                 self._write(job)
                 self.jobs_done.inc()
+                self._write_faults.recovered()
             except Exception as exc:  # never let one bad job stop write-back
                 self.jobs_failed.inc()
                 self.errors.inc(f"write:{type(exc).__name__}")
+                self._write_faults.failed(
+                    type(exc).__name__, f"a write-back job failed: {exc!r}", level=logging.ERROR
+                )
             finally:
                 if job is not None:
                     with self._pending_lock:

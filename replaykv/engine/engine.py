@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import math
 import re
 import threading
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 
 from replaykv.cache.device_pool import DevicePool
+from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.layout import CacheLayout
 from replaykv.cache.manager import CacheManager
 from replaykv.cache.metrics import Counter, Histogram, LabeledCounter
@@ -88,6 +90,8 @@ from replaykv.replay import (
 from replaykv.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["Engine", "EngineHandle", "generate"]
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -374,6 +378,7 @@ class Engine(EngineAPI):
         self._tensors = _row_tensors(self.view)
         self.cache = self._build_cache(cache_dtype) if config.caching else None
         self.metrics = _Metrics()
+        self._commit_faults = FaultLog(log, "cache commit")
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -868,8 +873,13 @@ class Engine(EngineAPI):
             return
         try:
             self.cache.commit(tokens, self._row_views[r.row], 0, r.request.salt, at_turn_end=True)
-        except Exception:  # write-back is best effort; the request itself is fine
+        except Exception as exc:  # write-back is best effort; the request itself is fine
             self.metrics.commit_errors.inc()
+            self._commit_faults.failed(
+                type(exc).__name__, f"committing a request's cache failed: {exc!r}", level=logging.ERROR
+            )
+        else:
+            self._commit_faults.recovered()
 
     def _complete(
         self,

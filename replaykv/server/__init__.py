@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot listen on {server_settings.host}:{server_settings.port}: {e}", file=sys.stderr)
         return 2
     _announce_model(settings)
+    configure_logging(server_settings.log_level)
 
     import uvicorn
 
@@ -151,6 +152,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.shutdown()
         sock.close()
     return 0
+
+
+def configure_logging(level: str) -> None:
+    """Send the ``replaykv`` loggers (cache tiers, engine, server) to stderr at `level`
+    (``--log-level``); uvicorn configures its own loggers from the same setting."""
+    import logging
+
+    logger = logging.getLogger("replaykv")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "_replaykv", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler._replaykv = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
 
 
 def _check_redis(engine: object) -> None:

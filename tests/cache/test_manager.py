@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -474,7 +475,7 @@ def test_store_corruption_is_a_miss_and_output_equals_cold(
 
 
 def test_entry_failing_layout_verification_is_deleted(
-    tmp_path: Path, clock: FakeClock, managers: Any
+    tmp_path: Path, clock: FakeClock, managers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A blob with a valid store checksum but the wrong content (another tenant's chunk here)."""
     m = make_manager(tmp_path, clock, device=False)
@@ -489,10 +490,14 @@ def test_entry_failing_layout_verification_is_deleted(
     assert foreign is not None
     m.store.put(key_a, foreign, EntryMeta.for_namespace(m.namespace("a")))
     view = allocate_view(SPEC41, 1, CAPACITY)
-    loaded = m.load(m.lookup(tokens[:30], "a"), view, 0)
+    with caplog.at_level(logging.WARNING, logger="replaykv.cache.manager"):
+        loaded = m.load(m.lookup(tokens[:30], "a"), view, 0)
     assert loaded.hit_tokens == 0
     assert m.stats()["errors"] == {"load:wrong_namespace": 1}
     assert not m.store.contains(key_a)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and key_a.hex() in record.message
+    assert "wrong_namespace" in record.message and str(tmp_path) in record.message
     m.check_integrity()
 
 

@@ -245,3 +245,28 @@ def test_a_stage_checkpoint_below_the_bar_is_not_served_by_default(
     assert load_settings([], environ={}).model_dir == bundled
     (bundled / "stage.json").write_text("not json")
     assert settings_module.model_to_load(None, preset_named=False) is None
+
+
+def test_log_level_reaches_the_replaykv_loggers(capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from replaykv.server import configure_logging
+
+    top = logging.getLogger("replaykv")
+    before = list(top.handlers), top.level
+    tier = logging.getLogger("replaykv.cache.swa_pool")
+    try:
+        configure_logging("warning")
+        tier.info("an info line")
+        tier.warning("Redis SWA pool at redis://x: connection error")
+        err = capsys.readouterr().err
+        assert (
+            "WARNING replaykv.cache.swa_pool: Redis SWA pool at redis://x" in err
+            and "an info line" not in err
+        )
+        configure_logging("info")
+        tier.info("an info line")
+        assert capsys.readouterr().err.count("an info line") == 1  # one handler, not two
+    finally:
+        top.handlers[:] = before[0]
+        top.setLevel(before[1])
