@@ -205,6 +205,7 @@ class MemorySwaPool(SwaPool):
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, _Snapshot] = OrderedDict()  # least recently used first
         self.metrics = TierMetrics("swa_pool_memory")
+        self._faults = FaultLog(log, "memory SWA pool", clock=clock)
 
     def _drop_locked(self, key: bytes) -> _Snapshot | None:
         snap = self._entries.pop(key, None)
@@ -220,6 +221,11 @@ class MemorySwaPool(SwaPool):
         data = payload if isinstance(payload, bytes) else bytes(payload)
         if len(data) > self.capacity_bytes:
             self.metrics.record_put(False, error="too_large")
+            self._faults.failed(
+                "too_large",
+                f"a snapshot of {len(data)} B is over the pool's capacity of {self.capacity_bytes} B: "
+                "not kept (give the pool more memory)",
+            )
             return False
         now = self._clock()
         with self._lock:

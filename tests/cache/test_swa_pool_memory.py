@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
 import threading
@@ -71,7 +72,7 @@ def test_ttl_with_fake_clock(clock: FakeClock) -> None:
             pool.put(k(5), b"x", ttl_s=bad)
 
 
-def test_lru_under_the_cap(clock: FakeClock) -> None:
+def test_lru_under_the_cap(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
     pool = MemorySwaPool(capacity_bytes=300, ttl_s=300, clock=clock)
     for i in range(3):
         assert pool.put(k(i), bytes([i]) * 100)
@@ -81,7 +82,11 @@ def test_lru_under_the_cap(clock: FakeClock) -> None:
     assert pool.put(k(4), b"y" * 200)  # evicts 2 then 0
     assert [pool.contains(k(i)) for i in range(5)] == [False, False, False, True, True]
     assert pool.stats()["evictions"] == 3
-    assert pool.put(k(5), b"z" * 301) is False and pool.stats()["errors"] == {"too_large": 1}
+    with caplog.at_level(logging.WARNING, logger="replaykv.cache.swa_pool"):
+        assert pool.put(k(5), b"z" * 301) is False and pool.stats()["errors"] == {"too_large": 1}
+        assert pool.put(k(6), b"z" * 302) is False  # the same failure again: not logged twice
+    (record,) = caplog.records
+    assert "a snapshot of 301 B is over the pool's capacity of 300 B" in record.message
     assert pool.put(k(3), b"w" * 50)  # replacing frees the old size first
     assert pool.stats()["bytes_resident"] == 250
     pool.check_integrity()
