@@ -560,6 +560,9 @@ class Engine(EngineAPI):
                     self._step()
         except BaseException as exc:  # never leave callers waiting on a dead thread
             self._fatal = exc
+            log.error(
+                "the engine thread failed; every queued and running request ends with an error", exc_info=exc
+            )
         finally:
             # Requests still queued or running end here: "error" after a crash, else "cancelled".
             finish = "error" if self._fatal else "cancelled"
