@@ -49,6 +49,10 @@ def replaykv(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         (["serve", "--max-running-requests", "0"], "--max-running-requests"),
         (["plan", "--no-such-flag"], "--no-such-flag"),
         (["accept", "--no-such-flag"], "--no-such-flag"),
+        (["store", "frob"], "command"),
+        (["store", "stats", "--no-such-flag"], "--no-such-flag"),
+        (["train", "--recipe", "tiny", "--out", "x", "--stages", "0"], "--stages"),
+        (["train", "--recipe", "nope", "--out", "x"], "--recipe"),
     ],
 )
 def test_a_usage_error_is_one_line(args: list[str], named: str, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from replaykv.cache.stores import detect_format, make_store
+from replaykv.cli_parser import ArgumentParser
 from replaykv.engine.config import default_store_dir
 
 __all__ = ["main"]
@@ -49,7 +50,7 @@ def _size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = ArgumentParser(add_help=False)
     common.add_argument(
         "--cache-dir",
         type=Path,
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the store's root directory (default: the one `replaykv serve` uses, %(default)s)",
     )
     common.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="replaykv store", description="Inspect and maintain a global-KV store."
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -94,10 +94,14 @@ def score_cases(model: Any, cases: list[TaskSample], spec: BarSpec) -> dict[str,
         rest = model(ids[:, p_len : p_len + a_max - 1], view) if a_max > 1 else first[:, :0]
         preds = torch.cat([first, rest], 1).argmax(-1)  # [B, a_max]
         tokens = [first[:, -1].argmax(-1)]
+        ended = tokens[0] == end_id
         for _ in range(n_gen - 1):
+            if bool(ended.all()):  # every row has closed its answer
+                break
             step = model(tokens[-1][:, None], gen_view)
             advance(gen_view, 1)
             tokens.append(step[:, -1].argmax(-1))
+            ended |= tokens[-1] == end_id
         generated = torch.stack(tokens, 1).tolist()  # [B, n_gen]
         for r, c in enumerate(group):
             n_ans = len(c.answer)

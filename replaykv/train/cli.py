@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from replaykv.cli_parser import ArgumentParser, positive_int
 from replaykv.train.recipes import RECIPES, Recipe, get_recipe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replaykv train", description="Train replaykv's small V4.1 model.")
+    p = ArgumentParser(prog="replaykv train", description="Train replaykv's small V4.1 model.")
     p.add_argument("--recipe", choices=sorted(RECIPES), required=True, help="tiny (tests), small, adapt")
     p.add_argument("--out", required=True, help="output directory (export, card, log, train_state/)")
     p.add_argument(
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from OUT/train_state/ (exact), else from the last stage checkpoint "
         "(OUT/stage/, or the one committed in the package) with fresh optimiser moments",
     )
-    p.add_argument("--stages", type=int, default=None, help="stop after this many stage ends (default: all)")
+    p.add_argument("--stages", type=positive_int, default=None, help="stop after this many stage ends (default: all)")
     p.add_argument(
         "--from-stage", default=None, help="stage checkpoint directory to continue from (with --resume)"
     )
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also copy each stage checkpoint into the package (replaykv/weights/<recipe's directory>/)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--steps", type=int, default=None, help="stop after global step N (resume later)")
+    p.add_argument("--steps", type=positive_int, default=None, help="stop after global step N (resume later)")
     p.add_argument(
         "--init", default=None, help="checkpoint to start from (the adapt recipe: the small export)"
     )
@@ -61,12 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        print("error: --steps must be a positive step number", file=sys.stderr)
-        return 2
-    if args.stages is not None and args.stages < 1:
-        print("error: --stages must be a positive number of stages", file=sys.stderr)
-        return 2
     if argv is None:
         from replaykv.malloc import reexec_keeping_freed_memory
 

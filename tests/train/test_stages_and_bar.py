@@ -183,3 +183,11 @@ def test_a_stage_scored_on_the_bar_records_its_rung_and_card(tmp_path, corpus, m
     assert "stage 1 of 2" in card and "passkey@inside last W" in card and "Rung reached: **0**" in card
     saved = json.loads((out / "stage" / "bar.json").read_text())
     assert saved["lengths"]["144"]["passkey@0"]["forced"]["n"] == 2
+
+
+def test_train_resume_with_no_state_is_one_error_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from replaykv.train import cli
+
+    assert cli.main(["--recipe", "tiny", "--out", str(tmp_path / "none"), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: nothing to resume")
