@@ -31,7 +31,7 @@ def mixed():  # type: ignore[no-untyped-def]
     """`small` without its first (repeat-rows-only) phase: batch 0 is of the mixture."""
     recipe = small()
     assert recipe.phases[0].name == "induction"
-    return dataclasses.replace(recipe, phases=recipe.phases[1:])
+    return dataclasses.replace(recipe, phases=recipe.phases[1:], stages=())
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +258,7 @@ def test_passkey_depths_and_evidence_placement(corpus) -> None:  # type: ignore[
 def test_replay_steps_put_evidence_before_the_boundary(corpus) -> None:  # type: ignore[no-untyped-def]
     mix = Mixture(text=0.0, passkey=1.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0)
     paths = Paths(full=1.0, decoder_replay=1.0, bounded_prob=1.0, boundary_prob=1.0)
-    recipe = dataclasses.replace(small(), phases=(Phase("p", 10, 1024, 4, mix, paths),), warmup=1)
+    recipe = dataclasses.replace(small(), phases=(Phase("p", 10, 1024, 4, mix, paths),), warmup=1, stages=())
     s = MixtureSampler(corpus["train"], recipe, window=128)
     checked = 0
     for step in range(6):

@@ -69,8 +69,12 @@ def test_tiny_recipe_loss_falls(tmp_path, corpus) -> None:  # type: ignore[no-un
     assert result.steps == recipe.total_steps and result.tokens == recipe.total_tokens
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
     assert last < first - 1.0, result.losses
-    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    log = [r for r in records if "tokens_per_s" in r]
     assert [r["step"] for r in log] == list(range(1, recipe.total_steps + 1))
+    assert [r for r in records if "stage_end" in r] == [
+        {"step": recipe.total_steps, "stage_end": 1, "stage_seconds": pytest.approx(result.seconds)}
+    ]
     assert all(r["tokens_per_s"] > 0 and r["indexer_kl"] is not None for r in log)
 
 
