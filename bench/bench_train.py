@@ -42,7 +42,7 @@ from replaykv.train.paths import IndexerDistillation
 from replaykv.train.recipes import get_recipe
 
 
-def mm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+def mm_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
     """GFLOP/s of an n × n × n torch.mm in `dtype` (best of `repeats`)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
