@@ -35,7 +35,7 @@ import torch
 from replaykv.cache.views import advance, allocate_view
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus
-from replaykv.train.evaluate import eval_controls, wilson
+from replaykv.train.evaluate import eval_controls, prompt_and_answer, wilson
 from replaykv.train.paths import follow_up_plan, fork_view, run_plan
 from replaykv.train.recipes import BarSpec
 from replaykv.train.tasks import TOKENIZER, TaskSample, generate, score
@@ -82,11 +82,7 @@ def score_cases(model: Any, cases: list[TaskSample], spec: BarSpec) -> dict[str,
         p_len = len(group[0].prompt)
         a_max = max(len(c.answer) for c in group)
         n_gen = a_max + 8
-        ids = torch.full((len(group), p_len + a_max), TOKENIZER.eos_id, dtype=torch.long)
-        for r, c in enumerate(group):
-            ids[r, :p_len] = torch.tensor(c.prompt)
-            ids[r, p_len : p_len + len(c.answer)] = torch.tensor(c.answer)
-        ids = ids.to(device)
+        ids = prompt_and_answer(group, p_len, a_max).to(device)
         view = allocate_view(mspec, len(group), p_len + n_gen, device, model.lm_head.weight.dtype)
         first = model(ids[:, :p_len], view, logits_rows="last")  # [B, 1, V]
         advance(view, p_len)

@@ -95,6 +95,15 @@ def bits_per_byte(model: Any, heldout: Corpus, spec: EvalSpec) -> dict[str, floa
     }
 
 
+def prompt_and_answer(group: list[TaskSample], p_len: int, a_max: int) -> torch.Tensor:
+    """[B, p_len + a_max] ids: each case's prompt (all `p_len` long), then its answer, eos after."""
+    ids = torch.full((len(group), p_len + a_max), TOKENIZER.eos_id, dtype=torch.long)
+    for r, c in enumerate(group):
+        ids[r, :p_len] = torch.tensor(c.prompt)
+        ids[r, p_len : p_len + len(c.answer)] = torch.tensor(c.answer)
+    return ids
+
+
 @torch.inference_mode()
 def task_accuracy(model: Any, cases: list[TaskSample], spec: EvalSpec) -> dict[str, Any]:
     """Per task: full path, each bounded-replay offset, worst offset and the pooled average."""
@@ -108,11 +117,7 @@ def task_accuracy(model: Any, cases: list[TaskSample], spec: EvalSpec) -> dict[s
     for i in range(0, len(cases), spec.batch):
         group = cases[i : i + spec.batch]
         a_max = max(len(c.answer) for c in group)
-        ids = torch.full((len(group), p_len + a_max), TOKENIZER.eos_id, dtype=torch.long)
-        for r, c in enumerate(group):
-            ids[r, :p_len] = torch.tensor(c.prompt)
-            ids[r, p_len : p_len + len(c.answer)] = torch.tensor(c.answer)
-        ids = ids.to(device)
+        ids = prompt_and_answer(group, p_len, a_max).to(device)
         view = allocate_view(mspec, len(group), p_len + a_max, device, model.lm_head.weight.dtype)
         first = model(ids[:, :p_len], view, logits_rows="last")
         advance(view, p_len)

@@ -30,7 +30,6 @@ Not for: the data (see :mod:`replaykv.train.data`) or the forward paths (see
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
@@ -47,23 +46,22 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from replaykv.model.checkpoint import cast_model, load_model, save_pretrained
+from replaykv.model.checkpoint import load_model
 from replaykv.model.init import init_weights
 from replaykv.model.layers import HyperConnection, HyperHead, RouterV41
 from replaykv.model.presets_v41 import get_preset_v41
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.tokenizer import ByteTokenizer
 from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.paths import IndexerDistillation, path_losses
 from replaykv.train.recipes import Phase, Recipe
 from replaykv.train.stages import (
-    MAX_EXPORT_BYTES,
     STAGE_DIR,
     cold_start,
     read_stage,
     rewarmed_lr,
+    save_export,
     ship_stage,
     shipped_dir,
     write_stage,
@@ -490,12 +488,7 @@ def export(
         metrics["base"] = base
     if spec is not None:
         metrics["adapted" if init is not None else "base"] = evaluate(model, corpus["heldout"], spec)
-    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
-    save_pretrained(shipped, out)  # type: ignore[arg-type]
-    ByteTokenizer().save(out)
-    size = (out / "model.safetensors").stat().st_size
-    if size > MAX_EXPORT_BYTES:
-        print(f"warning: {out / 'model.safetensors'} is {size / 2**20:.1f} MiB, over the 40 MiB budget")
+    save_export(model, out)
     own = metrics.get("adapted", metrics.get("base"))
     (out / "metrics.json").write_text(json.dumps({**(own or {}), "training": training}, indent=2) + "\n")
     if metrics:

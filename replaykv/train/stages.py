@@ -52,6 +52,17 @@ def read_stage(directory: str | Path) -> dict[str, Any] | None:
     return dict(json.loads(path.read_text()))
 
 
+def save_export(model: nn.Module, directory: Path) -> None:
+    """The shipped form of `model` in `directory`: bf16 safetensors (float32 where every export
+    keeps it), config.json and the tokenizer files; warns past the 30 MiB budget."""
+    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
+    save_pretrained(shipped, directory)  # type: ignore[arg-type]
+    ByteTokenizer().save(directory)
+    size = (directory / "model.safetensors").stat().st_size
+    if size > MAX_EXPORT_BYTES:
+        print(f"warning: {directory / 'model.safetensors'} is {size / 2**20:.1f} MiB, over the 30 MiB budget")
+
+
 def write_stage(model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any]) -> dict[str, Any]:
     """Write a stage checkpoint (bf16 export, tokenizer, stage.json) into `directory`, replacing
     what was there; returns the stage.json record. The files are written beside and renamed in,
@@ -59,12 +70,7 @@ def write_stage(model: nn.Module, directory: Path, recipe: Recipe, info: dict[st
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
-    save_pretrained(shipped, tmp)  # type: ignore[arg-type]
-    ByteTokenizer().save(tmp)
-    size = (tmp / "model.safetensors").stat().st_size
-    if size > MAX_EXPORT_BYTES:
-        print(f"warning: a stage checkpoint of {size / 2**20:.1f} MiB is over the 30 MiB budget")
+    save_export(model, tmp)
     record = {
         "recipe": recipe.name,
         "recipe_digest": recipe.digest(),

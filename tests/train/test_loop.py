@@ -25,7 +25,7 @@ from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import CacheState, plan_prefill
 from replaykv.train import cli, loop
-from replaykv.train.data import MixtureSampler, load_corpus
+from replaykv.train.data import MixtureSampler
 from replaykv.train.loop import accumulate_gradients, evaluate_only, median_step_seconds, train
 from replaykv.train.paths import (
     REPLAY_FLAGS,
@@ -39,20 +39,6 @@ from replaykv.train.paths import (
     weighted_ce,
 )
 from replaykv.train.recipes import EvalSpec, Mixture, Paths, Phase, tiny
-
-
-@pytest.fixture(scope="module")
-def corpus():  # type: ignore[no-untyped-def]
-    return load_corpus(max_files=40, heldout_percent=25)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    # Shared CPUs: one thread is faster than two fighting for cores, and keeps the suite light.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _mini(steps: int = 4, **changes):  # type: ignore[no-untyped-def]

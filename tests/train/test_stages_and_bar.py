@@ -17,22 +17,8 @@ from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train import loop, stages
 from replaykv.train.bar import BarSpec, bar_cases, meets, rung, score_cases
-from replaykv.train.data import load_corpus
 from replaykv.train.evaluate import task_accuracy, wilson
 from replaykv.train.recipes import EvalSpec, Mixture, Phase, tiny
-
-
-@pytest.fixture(scope="module")
-def corpus():  # type: ignore[no-untyped-def]
-    return load_corpus(max_files=40, heldout_percent=25)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _staged():  # type: ignore[no-untyped-def]
