@@ -47,10 +47,18 @@ def _announce_model(settings: Settings) -> None:
         where = "--model" if settings["model"] else "the bundled model"
         print(f"replaykv: loading {where}: {model_dir}", flush=True)
         return
+    from replaykv.server.settings import BUNDLED_MODEL_DIR
+
     bar = "!" * 78
+    staged = ""
+    if not settings["model"] and (BUNDLED_MODEL_DIR / "config.json").is_file():
+        staged = (
+            f"!! {BUNDLED_MODEL_DIR} holds a training stage below the shipping bar\n"
+            f"!! (its MODEL_CARD.md); serve it with --model {BUNDLED_MODEL_DIR}\n"
+        )
     print(
         f"{bar}\n!! no trained model found: serving preset {settings['preset']!r} with RANDOM weights.\n"
-        f"!! Everything it writes is noise; use --model DIR for a real checkpoint.\n{bar}",
+        f"!! Everything it writes is noise; use --model DIR for a real checkpoint.\n{staged}{bar}",
         flush=True,
     )
 
