@@ -7,15 +7,12 @@ Not for: any layout or policy (see ``cache/store.py`` and ``cache/pack_store.py`
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import struct
 import time
 import zlib
-from collections.abc import Callable
 
 __all__ = [
-    "FailureLog",
     "crc_sealed",
     "errname",
     "fsync_dir",
@@ -25,46 +22,6 @@ __all__ = [
     "seal_crc",
     "write_all",
 ]
-
-
-class FailureLog:
-    """Logs a kind of failure (a store's writes, say) without flooding: a warning on the first
-    failure, then at most one every ``interval_s`` while failures go on (with how many there were
-    since the last), and a warning when an operation succeeds again. Thread-safe enough for
-    counting: a lost increment only changes a logged count."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        what: str,
-        interval_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.logger = logger
-        self.what = what
-        self.interval_s = interval_s
-        self._clock = clock
-        self.failing = False
-        self._since_log = 0
-        self._logged_at = 0.0
-
-    def failed(self, reason: str, detail: str) -> None:
-        now = self._clock()
-        self._since_log += 1
-        if not self.failing or now - self._logged_at >= self.interval_s:
-            self.logger.warning(
-                "%s failed (%s): %s [%d failure(s) since the last message]",
-                self.what, reason, detail, self._since_log,
-            )  # fmt: skip
-            self._since_log = 0
-            self._logged_at = now
-        self.failing = True
-
-    def recovered(self) -> None:
-        if self.failing:
-            self.failing = False
-            self.logger.warning("%s works again (%d failure(s) not logged)", self.what, self._since_log)
-            self._since_log = 0
 
 
 def errname(exc: OSError) -> str:

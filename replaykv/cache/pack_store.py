@@ -85,7 +85,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from replaykv.cache.fileio import FailureLog, errname, fsync_dir, pread_exact, write_all
+from replaykv.cache.faultlog import FaultLog
+from replaykv.cache.fileio import errname, fsync_dir, pread_exact, write_all
 from replaykv.cache.keys import key_hex
 from replaykv.cache.pack_format import (
     _TOMBSTONE,
@@ -242,7 +243,7 @@ class PackStore(LocalStore[_Entry]):
         self.corrupt_batches = 0  # damaged batches found (start-up scan, verify) before later good ones
         self.corrupt_packs = 0  # packs the start-up scan found with no batch that checks out
         self.missing_packs = 0  # packs an .idx lists that are not there
-        self.write_failures = FailureLog(_log, "store write")
+        self.write_failures = FaultLog(_log, "store write")
         self._write_lock = threading.Lock()  # one batch written at a time
         self._packs_dir = self._data_dir
         self._packs_str = str(self._packs_dir)
@@ -662,10 +663,8 @@ class PackStore(LocalStore[_Entry]):
         if fitted and published:
             self.write_failures.recovered()
         elif fitted:
-            self.write_failures.failed(
-                f"{stage}:{errname(error or OSError(errno.EIO, ''))}",
-                f"{len(fitted)} entries under {self.root}",
-            )
+            kind = f"{stage}:{errname(error or OSError(errno.EIO, ''))}"
+            self.write_failures.failed(kind, f"failed ({kind}): {len(fitted)} entries under {self.root}")
         for s in fitted:
             if published:
                 results[s.index] = True

@@ -52,8 +52,8 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
+from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.fileio import (
-    FailureLog,
     crc_sealed,
     errname,
     fsync_dir,
@@ -289,7 +289,7 @@ class LocalStore(GlobalKVStore, Generic[_E]):
         self.orphans_swept = 0
         self.temp_files_seen = 0
         self.unknown_files = 0
-        self.write_failures = FailureLog(_log, "store write")
+        self.write_failures = FaultLog(_log, "store write")
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _E] = OrderedDict()  # oldest access first
         if not read_only:
@@ -655,9 +655,8 @@ class DirectoryStore(LocalStore[_Entry]):
         failed = [w for w in writes if not w.durable]
         if failed:
             error = failed[0].error or OSError(errno.EIO, "entry not published")
-            self.write_failures.failed(
-                f"{failed[0].stage}:{errname(error)}", f"{len(failed)} entries under {self.root}"
-            )
+            kind = f"{failed[0].stage}:{errname(error)}"
+            self.write_failures.failed(kind, f"failed ({kind}): {len(failed)} entries under {self.root}")
         first_error: OSError | None = None
         for w in writes:
             if w.durable:

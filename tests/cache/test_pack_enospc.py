@@ -84,8 +84,8 @@ def test_enospc_that_persists_fails_the_write_after_one_retry(
     )  # each failed write evicted one entry, then gave up
     store.check_integrity()
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("store write failed (write:ENOSPC)" in m for m in messages) == 1  # the first, not each
-    assert sum("store write works again" in m for m in messages) == 1
+    assert sum("store write: failed (write:ENOSPC)" in m for m in messages) == 1  # the first, not each
+    assert sum("store write: recovered" in m for m in messages) == 1
     assert sum("is full (ENOSPC); evicted" in m for m in messages) == 2
 
 
