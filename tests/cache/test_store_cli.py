@@ -89,7 +89,10 @@ def test_gc_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert json.loads(capsys.readouterr().out)["expired"] == 2
 
 
-def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default store: none there
     assert main(["stats", "--cache-dir", str(tmp_path / "missing")]) == 2
     assert "no store" in capsys.readouterr().err
     assert main(["frobnicate", "--cache-dir", str(tmp_path)]) == 2
