@@ -3,7 +3,7 @@
 
 serve:
 	scripts/install.sh serve
-	.venv/bin/replaykv serve
+	.venv/bin/replaykv serve --enable-encoder-swa-bounded-replay --enable-decoder-swa-bounded-replay
 
 test:
 	scripts/test.sh

@@ -63,6 +63,27 @@ def _announce_model(settings: Settings) -> None:
     )
 
 
+def replay_banner(settings: Settings) -> str:
+    """The replay switches as served, where each came from, and the flag that changes it (both
+    are off unless enabled, as in SGLang)."""
+    parts = []
+    for name, what in (
+        ("enable_encoder_swa_bounded_replay", "encoder"),
+        ("enable_decoder_swa_bounded_replay", "decoder"),
+    ):
+        on = bool(settings[name])
+        stem = name.removeprefix("enable_").replace("_", "-")
+        given, other = (
+            (f"--enable-{stem}", f"--disable-{stem}") if on else (f"--disable-{stem}", f"--enable-{stem}")
+        )
+        source = settings.sources[name]
+        origin = "default" if source == "default" else f"from {given if source.startswith('--') else source}"
+        parts.append(
+            f"{what} bounded replay {'on' if on else 'off'} ({origin}; {other} to turn it {'off' if on else 'on'})"
+        )
+    return "replaykv: " + ", ".join(parts)
+
+
 def usage_text(url: str, model: str, auth: bool) -> str:
     """What to paste to call the server: a curl command and an openai-client snippet."""
     key_header = ' -H "Authorization: Bearer YOUR_API_KEY"' if auth else ""
@@ -121,14 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ChatTemplateError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        replay = settings.replay_flags
         print(
             f"replaykv: loaded {engine.model_name} (context {engine.max_context} tokens, {config.device}, "
-            f"{config.dtype}); encoder bounded replay {'on' if replay.enable_encoder_swa_bounded_replay else 'off'}, "
-            f"decoder bounded replay {'on' if replay.enable_decoder_swa_bounded_replay else 'off'}; "
-            f"SWA pool {config.swa_pool or 'off'}, store {config.store_dir or 'off'}",
+            f"{config.dtype}); SWA pool {config.swa_pool or 'off'}, store {config.store_dir or 'off'}",
             flush=True,
         )
+        print(replay_banner(settings), flush=True)
         _check_redis(engine)
         if config.fault is not None:
             print(

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP app: requests in, engine `Request`s out, results back as JSON or SSE.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming or not),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (engine text + HTTP counters) and, with
-the admin key, ``POST /admin/flush_swa_pool``, ``POST /admin/flush_all``,
-``GET /admin/cache_stats``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (engine text + HTTP counters), SGLang's
+native endpoints (:mod:`replaykv.server.native`) and, with the admin key,
+``POST /admin/flush_swa_pool``, ``POST /admin/flush_all``, ``GET /admin/cache_stats``.
 
 Every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Bad input is
 always a 4xx: malformed JSON, wrong types, unknown fields, unsupported options → 400; missing or
@@ -56,6 +56,7 @@ from replaykv.engine.api import (
 from replaykv.server import schemas
 from replaykv.server.chat import ChatTemplate, ChatTemplateError
 from replaykv.server.metrics import HttpMetrics
+from replaykv.server.native import AUTHENTICATED_PATHS, add_native_routes
 from replaykv.server.settings import DEFAULT_TENANT, ServerSettings, tenant_salt
 from replaykv.tokenizer import load_tokenizer
 
@@ -142,7 +143,8 @@ class _Gate:
             return ApiError(
                 401, "admin endpoints need `Authorization: Bearer <admin key>`", code="invalid_api_key"
             )
-        if not path.startswith("/v1") or not self.settings.auth_enabled:
+        needs_key = path.startswith("/v1") or path in AUTHENTICATED_PATHS
+        if not needs_key or not self.settings.auth_enabled:
             return DEFAULT_TENANT
         if key is None:
             return ApiError(
@@ -659,6 +661,7 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
         stats = await run_in_threadpool(engine.cache_stats)
         return JSONResponse(jsonable_encoder(stats, custom_encoder={bytes: lambda b: b.hex()}))
 
+    add_native_routes(app, svc, settings.server_args)
     app.add_middleware(
         _Gate, settings=settings, metrics=metrics, routes={getattr(r, "path", "") for r in app.routes}
     )

@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,8 +182,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable); a bare KEY is its own tenant 'key-<sha256 prefix>', and shares tenant 'default' (the one without authentication) only as KEY=default; none = no authentication, tenant 'default'", metavar="KEY[=TENANT]"),
     Option("admin_key", _to_str, None, "bearer key of the /admin endpoints (unset = admin endpoints refused)"),
     Option("log_level", _to_str, "info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")),
-    Option("enable_encoder_swa_bounded_replay", _to_bool, True, "on a window-snapshot miss replay the last W tokens (off: the exact rebuild)"),
-    Option("enable_decoder_swa_bounded_replay", _to_bool, True, "run decoder layers over only the last W prompt tokens"),
+    Option("enable_encoder_swa_bounded_replay", _to_bool, False, "on a window-snapshot miss replay the last W tokens; off (the default, as in SGLang): the exact rebuild"),
+    Option("enable_decoder_swa_bounded_replay", _to_bool, False, "run decoder layers over only the last W prompt tokens; off (the default, as in SGLang): over the whole prompt"),
     Option("swa_miss_strategy", _to_str, "bounded", "how a window-snapshot miss is rebuilt", choices=MISS_STRATEGIES),
     Option("replay_span", _to_int, None, "W of bounded replay in tokens (default: the model's window)"),
     Option("swa_pool", _to_str, None, "where window snapshots live ('off': nowhere)", choices=("memory", "redis", "off"), engine=True),
@@ -238,6 +239,7 @@ class ServerSettings:
     ``default``. admin_key: the bearer key of ``/admin/*`` (None refuses them all).
     model_dir: where the tokenizer and ``chat_template.json`` come from (None: the built-ins).
     default_max_tokens: a chat request's max_tokens when it gives none (capped by the context).
+    server_args: every setting with secrets redacted, as ``/get_server_info`` shows them.
     """
 
     host: str = "127.0.0.1"
@@ -249,6 +251,7 @@ class ServerSettings:
     log_level: str = "info"
     max_request_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
+    server_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -298,7 +301,23 @@ class Settings:
             model_name=self.values["served_model_name"],
             model_dir=str(self.model_dir) if self.model_dir is not None else None,
             log_level=self.values["log_level"],
+            server_args=self.redacted(),
         )
+
+    def redacted(self) -> dict[str, Any]:
+        """Every setting by name, keys replaced by how many there are and a Redis password by
+        ``***`` (for /get_server_info)."""
+        out = {name: value for name, value in self.values.items() if name not in ("api_key", "admin_key")}
+        url = out.get("redis_url")
+        if url:
+            parts = urllib.parse.urlsplit(url)
+            if parts.password is not None:
+                host = parts.netloc.rpartition("@")[2]
+                user = f"{parts.username}:" if parts.username else ":"
+                out["redis_url"] = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
+        out["api_keys"] = len(self.values["api_key"])
+        out["admin_endpoints"] = self.values["admin_key"] is not None
+        return out
 
     def engine_config(self) -> EngineConfig:
         """The engine's config: model source, replay switches and every engine option that was set

@@ -26,6 +26,7 @@ from tests.server.test_api import parse_prometheus
 
 REPO = Path(__file__).resolve().parents[2]
 REPLAY_OFF = ["--disable-encoder-swa-bounded-replay", "--disable-decoder-swa-bounded-replay"]
+REPLAY_ON = ["--enable-encoder-swa-bounded-replay", "--enable-decoder-swa-bounded-replay"]
 QUESTIONS = ["What does a sliding window keep?", "And the global KV?", "Why replay 128 tokens?"]
 
 
@@ -89,7 +90,7 @@ def test_three_turns_hit_and_equal_a_cold_server(tmp_path: Path, servers: list[L
 
 
 def test_bounded_replay_after_a_pool_flush_and_streaming(tmp_path: Path, servers: list[LiveServer]) -> None:
-    live = start(tmp_path, "--admin-key", "adm")
+    live = start(tmp_path, "--admin-key", "adm", *REPLAY_ON)
     servers.append(live)
     messages: list[Any] = [{"role": "user", "content": "Tell me about windows, " * 3}]
     first = chat(live, "x", messages)
@@ -174,6 +175,10 @@ def test_serve_command(tmp_path: Path) -> None:
                 break
         out = "".join(lines)
         assert "RANDOM weights" in out and "preset 'tiny'" in out, out
+        assert (
+            "encoder bounded replay off (default; --enable-encoder-swa-bounded-replay to turn it on), "
+            "decoder bounded replay off (default; --enable-decoder-swa-bounded-replay to turn it on)"
+        ) in out, out
         m = re.search(r"serving at (http://127\.0\.0\.1:\d+)", out)
         assert m, out
         url = m.group(1)

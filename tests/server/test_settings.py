@@ -20,6 +20,8 @@ from replaykv.server.settings import (
     tenant_salt,
 )
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_defaults() -> None:
     s = load_settings([], environ={})
@@ -30,9 +32,9 @@ def test_defaults() -> None:
         None,
         False,
     )
-    assert (
-        s.replay_flags.enable_encoder_swa_bounded_replay and s.replay_flags.enable_decoder_swa_bounded_replay
-    )
+    flags = s.replay_flags  # off unless enabled, as in SGLang
+    assert not flags.enable_encoder_swa_bounded_replay and not flags.enable_decoder_swa_bounded_replay
+    assert flags.miss_strategy == "exact"
     assert all(src == "default" for src in s.sources.values())
 
 
@@ -175,6 +177,7 @@ def test_engine_config_mapping(tmp_path: Path) -> None:
         "9",
         "--cache-dir",
         str(tmp_path),
+        "--enable-encoder-swa-bounded-replay",
         "--disable-decoder-swa-bounded-replay",
         "--seed",
         "7",
@@ -270,3 +273,25 @@ def test_log_level_reaches_the_replaykv_loggers(capsys: pytest.CaptureFixture[st
     finally:
         top.handlers[:] = before[0]
         top.setLevel(before[1])
+
+
+def test_make_serve_enables_both_replays_and_the_banner_says_so() -> None:
+    from replaykv.server import replay_banner
+
+    line = next(ln for ln in (REPO / "Makefile").read_text().splitlines() if "replaykv serve" in ln)
+    argv = line.split("replaykv serve", 1)[1].split()
+    banner = replay_banner(load_settings(argv, environ={}))
+    assert banner == (
+        "replaykv: encoder bounded replay on (from --enable-encoder-swa-bounded-replay; "
+        "--disable-encoder-swa-bounded-replay to turn it off), decoder bounded replay on (from "
+        "--enable-decoder-swa-bounded-replay; --disable-decoder-swa-bounded-replay to turn it off)"
+    )
+    env = {"REPLAYKV_ENABLE_DECODER_SWA_BOUNDED_REPLAY": "on"}
+    assert "decoder bounded replay on (from REPLAYKV_ENABLE_DECODER_SWA_BOUNDED_REPLAY;" in replay_banner(
+        load_settings([], environ=env)
+    )
+    off = replay_banner(load_settings(["--disable-encoder-swa-bounded-replay"], environ={}))
+    assert off.startswith(
+        "replaykv: encoder bounded replay off (from --disable-encoder-swa-bounded-replay; "
+        "--enable-encoder-swa-bounded-replay to turn it on)"
+    )
