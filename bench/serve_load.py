@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK_BEGIN = "<!-- serve_load:begin -->"
 MARK_END = "<!-- serve_load:end -->"
 REPLAY_OFF = ["--disable-encoder-swa-bounded-replay", "--disable-decoder-swa-bounded-replay"]
+REPLAY_ON = ["--enable-encoder-swa-bounded-replay", "--enable-decoder-swa-bounded-replay"]
 SYSTEM = (
     "You are the replaykv assistant. You answer questions about DeepSeek-V4.1's KV cache: the global "
     "KV kept on device and in the persistent store, the SWA window snapshots in the host pool, and "
@@ -241,7 +242,7 @@ def main() -> int:
     ap.add_argument("--write", default="")
     args = ap.parse_args()
     runs = []
-    for label, flags in (("replay on", []), ("replay off", REPLAY_OFF)):
+    for label, flags in (("replay on", REPLAY_ON), ("replay off", REPLAY_OFF)):
         with tempfile.TemporaryDirectory(prefix="serve_load_") as cache_dir:
             server = Server(args, flags, cache_dir)
             try:

@@ -131,7 +131,8 @@ def servers(model_dir: Path, tmp_path: Path) -> Iterator[list[Any]]:
 
     started = []
     off = ["--disable-encoder-swa-bounded-replay", "--disable-decoder-swa-bounded-replay"]
-    for i, flags in enumerate((off, [])):
+    on = ["--enable-encoder-swa-bounded-replay", "--enable-decoder-swa-bounded-replay"]
+    for i, flags in enumerate((off, on)):
         store = str(tmp_path / f"store{i}")
         settings = load_settings(
             ["--model", str(model_dir), "--admin-key", "adm", "--cache-dir", store, *flags], environ={}
