@@ -25,6 +25,7 @@ what the pool keeps alive; ``write`` refuses a payload larger than one page.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import Counter, OrderedDict
@@ -32,11 +33,14 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.keys import KEY_BYTES
 from replaykv.cache.layout import CacheLayout, GlobalChunk
 from replaykv.cache.metrics import Gauge, TierMetrics
 
 __all__ = ["DevicePool", "PoolExhausted", "resident_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 def resident_bytes(payload: object) -> int:
@@ -98,6 +102,7 @@ class DevicePool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
         self._windows: dict[Hashable, tuple[list[int], int]] = {}  # owner -> (pages, bytes)
         self.metrics = TierMetrics("device_pool")
+        self._faults = FaultLog(log, f"device pool ({self.capacity} pages of {self.page_bytes} B)")
         self.window_bytes = Gauge()
 
     # ---------------------------------------------------------------- allocation
@@ -124,9 +129,10 @@ class DevicePool:
             raise ValueError(f"cannot allocate {n} pages")
         with self._lock:
             if n > self._evictable():
-                raise PoolExhausted(
-                    f"{n} pages asked, {len(self._free)} free + {len(self._lru)} evictable of {self.capacity}"
-                )
+                message = f"{n} pages asked, {len(self._free)} free + {len(self._lru)} evictable of {self.capacity}"
+                self._faults.failed("exhausted", f"the pool cannot hold a request's pages: {message}")
+                raise PoolExhausted(message)
+            self._faults.recovered()
             while len(self._free) < n:
                 self._evict_one_locked()
             pages = [self._free.pop() for _ in range(n)]
@@ -268,6 +274,9 @@ class DevicePool:
             need = self.window_pages(size)
             old = self._windows.get(owner)
             if need > self._evictable() + (len(old[0]) if old is not None else 0):
+                self._faults.failed(
+                    "window", f"{need} pages of window rings refused: {self._evictable()} free or evictable"
+                )
                 return False
             self.release_window(owner)
             pages = self.allocate(need)

@@ -37,6 +37,27 @@ def test_sizing_from_layout_and_accounting() -> None:
     pool.check_integrity()
 
 
+def test_exhaustion_and_a_refused_window_are_logged_once_then_recovery(caplog: pytest.LogCaptureFixture) -> None:
+    lay = layout()
+    pool = DevicePool(lay, budget_bytes=2 * lay.resident_page_bytes)
+    held = pool.allocate(2)
+    with caplog.at_level("WARNING", logger="replaykv.cache.device_pool"):
+        for _ in range(3):
+            with pytest.raises(PoolExhausted):
+                pool.allocate(1)
+        assert not pool.reserve_window("req", nbytes=lay.resident_page_bytes)
+    failures = [r for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert len(failures) == 1, caplog.messages  # rate-limited while it persists
+    assert "1 pages asked, 0 free + 0 evictable of 2" in failures[0].getMessage()
+    assert any("window rings refused" in m for m in caplog.messages), caplog.messages
+    caplog.clear()
+    pool.free(held)
+    with caplog.at_level("WARNING", logger="replaykv.cache.device_pool"):
+        pool.allocate(1)
+    assert len(caplog.records) == 1 and "exhausted" in caplog.messages[0], caplog.messages
+    pool.check_integrity()
+
+
 def test_allocate_free_cache_match_and_refcounts() -> None:
     pool = DevicePool(layout(), budget_bytes=4 * layout().resident_page_bytes)
     assert pool.can_allocate(4) and not pool.can_allocate(5)
