@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.config_v41 import DeepseekV41Config
@@ -142,8 +143,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (single file or sharded with an index)."""
+def read_state_dict(model_dir: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory (single file or sharded with an index), read one at a
+    time through ``safe_open`` (memory-mapped); names starting with a prefix in `skip` are never read."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -153,8 +155,11 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        # Copy each tensor into its own allocation: file-buffer alignment can change fp32 rounding.
-        state.update({k: v.clone() for k, v in load_file(str(model_dir / name)).items()})
+        with safe_open(str(model_dir / name), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                if not key.startswith(skip):
+                    # its own allocation: file-buffer alignment can change fp32 rounding
+                    state[key] = f.get_tensor(key).clone()
     return state
 
 
@@ -206,9 +211,8 @@ def load_model(
     with torch.device("meta"):
         model = build_model(config)
     model = model.to_empty(device="cpu")
-    state = read_state_dict(model_dir)
     ignored = ("mtp.", "model.mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
-    state = {k: v for k, v in state.items() if not k.startswith(ignored)}
+    state = read_state_dict(model_dir, skip=ignored)
     family = "v41" if isinstance(config, DeepseekV41Config) else "v4"
     state = to_transformers_names(state, family)
     if family == "v4":

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import replaykv.model.v41 as v41_module
 from replaykv.cache.views import advance, allocate_view
 from replaykv.model.attention import joint_attention
-from replaykv.model.checkpoint import load_model, save_pretrained
+from replaykv.model.checkpoint import load_model, read_state_dict, save_pretrained
 from replaykv.model.init import init_weights
 from replaykv.model.layers import sinkhorn
 from replaykv.model.presets_v41 import v41_tiny
@@ -257,6 +257,32 @@ def test_both_namings_and_config_styles_load_to_identical_logits(tmp_path: Path)
     again = tmp_path / "again"
     save_pretrained(load_model(deepseek), again)
     assert torch.equal(run(load_model(again), ids, [64]), ref)
+
+
+def test_a_sharded_checkpoint_with_mtp_and_vision_shards_loads_lazily(tmp_path: Path) -> None:
+    """Shards named by model.safetensors.index.json; the MTP and vision tensors (here in shards of
+    their own) are skipped by name, so a shard holding only them is opened but none is read."""
+    model = make_model("checklist", quant=True)  # the saved config keeps the quantisers on
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    ref = run(model, ids, [32])
+    save_pretrained(model, tmp_path / "one")
+    state = load_file(str(tmp_path / "one" / "model.safetensors"))
+    names = sorted(state)
+    shards = {"model-00001-of-00003.safetensors": names[: len(names) // 2],
+              "model-00002-of-00003.safetensors": names[len(names) // 2 :]}  # fmt: skip
+    extra = {"mtp.0.eh_proj.weight": torch.ones(8, 8), "vision.patch_embed.weight": torch.ones(4, 4)}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(sharded / shard))
+    save_file(extra, str(sharded / "model-00003-of-00003.safetensors"))
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    weight_map.update({k: "model-00003-of-00003.safetensors" for k in extra})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (sharded / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    assert set(read_state_dict(sharded, skip=("mtp.", "vision."))) == set(names)
+    assert set(read_state_dict(sharded)) == set(names) | set(extra)
+    assert torch.equal(run(load_model(sharded), ids, [32]), ref)
 
 
 def test_mixed_or_unknown_names_are_rejected(tmp_path: Path) -> None:
