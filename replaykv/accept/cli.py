@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--api-key", default="none")
     e.add_argument("--admin-key", default=None, help="bearer key of both servers' /admin endpoints")
     e.add_argument("--window", type=int, default=128, help="the model's sliding window (endpoint mode)")
+    p.add_argument("--no-progress", action="store_true", help="log a line every 10 cases instead of a progress bar")
     p.add_argument("--verify-report", default=None, help="check that REPORT was produced under --contract")
     return p
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             target = InProcess(model, preset, args.seed, args.device, args.dtype, args.inject_fault)
-        rep = run_contract(args.contract, args.out, target)
+        rep = run_contract(args.contract, args.out, target, progress=not args.no_progress)
     except (ContractError, TargetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -112,8 +112,11 @@ def _in_process(
     return baseline, candidate, window, expected
 
 
-def run_contract(contract_path: str | Path, out: str | Path, target: InProcess | Endpoints) -> dict[str, Any]:
-    """Run a contract and write its report to `out`; returns the report (``passed`` is the verdict)."""
+def run_contract(
+    contract_path: str | Path, out: str | Path, target: InProcess | Endpoints, progress: bool = False
+) -> dict[str, Any]:
+    """Run a contract and write its report to `out`; returns the report (``passed`` is the verdict).
+    `progress`: a tqdm bar over the quality pass's requests on stderr."""
     from replaykv.train.data import load_corpus
 
     t0 = time.perf_counter()
@@ -133,7 +136,7 @@ def run_contract(contract_path: str | Path, out: str | Path, target: InProcess |
             cases = build_cases(contract, heldout, window)
             if not cases:
                 raise ValueError("the matrix produced no runnable case (lengths too short for the tasks?)")
-            runner = Runner(contract, baseline, candidate, cases, expected)
+            runner = Runner(contract, baseline, candidate, cases, expected, progress=progress)
             result = runner.run()
             arms = {"baseline": baseline.describe(), "candidate": candidate.describe()}
         finally:

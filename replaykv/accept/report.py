@@ -13,12 +13,13 @@ Not for: computing anything (see :mod:`replaykv.accept.criteria`).
 from __future__ import annotations
 
 import base64
-import html
 import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from markdown_it import MarkdownIt
 
 from replaykv.accept.criteria import Pair
 
@@ -174,43 +175,17 @@ def markdown(report: dict[str, Any], images: list[str]) -> str:
 
 
 def html_page(md_text: str, out: Path, images: list[str]) -> str:
-    """A self-contained HTML page: the Markdown's tables as HTML, plots embedded."""
-    body: list[str] = []
-    in_table = False
-    for line in md_text.splitlines():
-        if line.startswith("|"):
-            cells = [html.escape(x.strip()) for x in line.strip("|").split("|")]
-            if set(line.replace("|", "").strip()) <= {"-"}:
-                continue
-            if not in_table:
-                body.append("<table>")
-                in_table = True
-                body.append("<tr>" + "".join(f"<th>{x}</th>" for x in cells) + "</tr>")
-            else:
-                body.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
-            continue
-        if in_table:
-            body.append("</table>")
-            in_table = False
-        if line.startswith("!["):
-            name = line[line.index("(") + 1 : -1]
-            data = base64.b64encode((out / name).read_bytes()).decode()
-            body.append(f'<img alt="{html.escape(name)}" src="data:image/png;base64,{data}">')
-        elif line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
-        elif line.startswith("# "):
-            body.append(f"<h1>{html.escape(line[2:])}</h1>")
-        elif line.startswith("- "):
-            body.append(f"<p>• {html.escape(line[2:])}</p>")
-        elif line.strip():
-            body.append(f"<p>{html.escape(line).replace('**', '')}</p>")
-    if in_table:
-        body.append("</table>")
+    """A self-contained HTML page of the Markdown (CommonMark with tables, by markdown-it-py; raw
+    HTML in the text is escaped), each plot in `images` embedded as a data URI."""
+    for name in images:
+        data = base64.b64encode((out / name).read_bytes()).decode()
+        md_text = md_text.replace(f"]({name})", f"](data:image/png;base64,{data})")
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(md_text)
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:2em auto}"
         "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}"
     )
-    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{body}</body></html>\n"
 
 
 def write(report: dict[str, Any], pairs: list[Pair], records: list[Any], out: Path) -> None:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from replaykv.accept.cases import Case, outcome
 from replaykv.accept.contract import Contract
 from replaykv.accept.targets import Observation, Target
@@ -81,12 +83,14 @@ class Runner:
     """Runs a contract against two targets (baseline and candidate)."""
 
     def __init__(self, contract: Contract, baseline: Target, candidate: Target, cases: list[Case],
-                 expected_miss: dict[str, str | None], log: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 expected_miss: dict[str, str | None], log: Callable[[str], None] | None = None,
+                 progress: bool = False) -> None:  # fmt: skip
         self.contract = contract
         self.arms = {"baseline": baseline, "candidate": candidate}
         self.cases = cases
         self.expected_miss = expected_miss
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.progress = progress
 
     # -------------------------------------------------------------- one request in a forced state
     def _send(self, t: Target, case: Case, prompt: tuple[int, ...], repeat: int) -> Observation:
@@ -134,8 +138,12 @@ class Runner:
 
     # -------------------------------------------------------------- passes
     def quality(self) -> list[Record]:
+        """Every case in every state, `repeats` times: a tqdm bar over its requests with
+        ``progress``, else a log line every 10 cases."""
         out: list[Record] = []
         reps = self.contract.matrix.repeats
+        total = sum(reps * (4 + len(case.shifts)) for case in self.cases)
+        bar = tqdm(total=total, disable=not self.progress, desc="accept quality", unit="req")
         t0 = time.perf_counter()
         for n, case in enumerate(self.cases):
             for r in range(reps):
@@ -148,10 +156,12 @@ class Runner:
                 for label, cut in case.shifts:
                     obs = self.forced("candidate", case, "shift", cut, r)
                     out.append(self._record("candidate", case, "shift", "quality", cut, r, obs, label))
-            if (n + 1) % 10 == 0 or n + 1 == len(self.cases):
+                bar.update(4 + len(case.shifts))
+            if not self.progress and ((n + 1) % 10 == 0 or n + 1 == len(self.cases)):
                 self.log(
                     f"accept: quality pass {n + 1}/{len(self.cases)} cases ({time.perf_counter() - t0:.0f} s)"
                 )
+        bar.close()
         return out
 
     def levels(self) -> dict[str, int]:

@@ -82,11 +82,17 @@ def failing(tmp: Path, model_dir: Path, body: dict[str, Any], fault: str | None 
     return sorted(rep["failing"])
 
 
-def test_honest_candidate_passes_and_the_report_is_complete(tmp_path: Path, model_dir: Path) -> None:
+def test_honest_candidate_passes_and_the_report_is_complete(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = contract_file(tmp_path, REPLAY)
     code = accept_main(["--contract", str(path), "--model", str(model_dir), "--out", str(tmp_path / "r")])
     assert code == 0
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    quality = sum(r["phase"] == "quality" for r in rep["records"])
+    err = capsys.readouterr().err
+    assert "accept quality: 100%" in err and f"{quality}/{quality} [" in err, err[-500:]  # the tqdm bar
+    assert "accept: quality pass" not in err
     assert rep["passed"] and rep["failing"] == []
     states = {(r["arm"], r["state"]) for r in rep["records"] if r["phase"] == "quality"}
     assert states == {("baseline", "cold"), ("candidate", "cold"), ("candidate", "hit"),
