@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from scipy import stats
 
 from replaykv.accept.cases import build_cases, cells
 from replaykv.accept.contract import EXAMPLE, ContractError, load_contract, parse_contract
@@ -108,6 +110,29 @@ def test_bootstrap_and_mcnemar() -> None:
     t = mcnemar_exact([True] * 8 + [False] * 4, [False] * 8 + [False] * 4)
     assert t["new_failures"] == 8 and t["p_value"] == pytest.approx(2 / 256)
     assert mcnemar_exact([True, False], [True, False])["p_value"] == 1.0
+
+
+@pytest.mark.parametrize("b, c", [(0, 0), (8, 0), (3, 5), (7, 2), (20, 31), (1, 0), (60, 40)])
+def test_mcnemar_equals_scipys_exact_binomial_test(b: int, c: int) -> None:
+    base = [True] * b + [False] * c + [True] * 3 + [False] * 2  # concordant pairs do not count
+    cand = [False] * b + [True] * c + [True] * 3 + [False] * 2
+    got = mcnemar_exact(base, cand)
+    assert (got["new_failures"], got["new_passes"]) == (b, c)
+    want = 1.0 if b + c == 0 else stats.binomtest(b, b + c, 0.5, alternative="two-sided").pvalue
+    assert got["p_value"] == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bootstrap_interval_agrees_with_scipys_percentile_bootstrap(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    x = rng.gamma(2.0, 1.5, size=60)  # skewed, as KL values are
+    ours = bootstrap_mean(x.tolist(), n_boot=20000, seed=seed)
+    theirs = stats.bootstrap((x,), np.mean, n_resamples=20000, method="percentile", confidence_level=0.95,
+                             random_state=np.random.default_rng(seed)).confidence_interval  # fmt: skip
+    width = theirs.high - theirs.low
+    assert ours["mean"] == pytest.approx(float(x.mean()))
+    # different resamples: the end points agree to within Monte Carlo error (a few % of the width)
+    assert abs(ours["lower95"] - theirs.low) < 0.04 * width and abs(ours["upper95"] - theirs.high) < 0.04 * width
 
 
 def _top(lp: torch.Tensor, k: int) -> dict[str, float]:
