@@ -57,7 +57,8 @@ from replaykv.server import schemas
 from replaykv.server.chat import ChatTemplate, ChatTemplateError
 from replaykv.server.metrics import HttpMetrics
 from replaykv.server.native import AUTHENTICATED_PATHS, add_native_routes
-from replaykv.server.settings import DEFAULT_TENANT, ServerSettings, tenant_salt
+from replaykv.server.settings import ServerSettings
+from replaykv.server.tenants import DEFAULT_TENANT, tenant_salt
 from replaykv.tokenizer import load_tokenizer
 
 log = logging.getLogger("replaykv.server")

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import replaykv
 from replaykv.engine.api import EngineError, Request, SamplingParams
-from replaykv.server.settings import DEFAULT_TENANT, tenant_salt
+from replaykv.server.tenants import DEFAULT_TENANT, tenant_salt
 
 if TYPE_CHECKING:
     from replaykv.server.app import _Service

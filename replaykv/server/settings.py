@@ -8,14 +8,12 @@ its environment variable ``REPLAYKV_`` + the name in capitals, its config-file k
 with underscores or dashes. Booleans take ``--enable-X`` / ``--disable-X`` flags and
 ``1/0, true/false, yes/no, on/off`` in the environment.
 
-API keys: ``--api-key KEY=TENANT`` (repeatable), ``REPLAYKV_API_KEY="k1=alice,k2=bob"``, or
-``api_key: {k1: alice, k2: bob}`` in the file. A bare ``KEY`` is a tenant of its own, named
-``key-`` + the first 16 hex digits of the key's SHA-256 (:func:`key_tenant`), so it never sees
-what was cached without authentication. With no key configured the server runs without
-authentication and every request is tenant ``default``; a key shares that tenant only when
-mapped to it explicitly (``KEY=default``). A tenant's cache salt is derived here from the
-tenant *name* (never from anything a client sends), so the same tenant hits its own cache
-across restarts and machines.
+API keys and tenants: :mod:`replaykv.server.tenants`.
+
+Written on argparse rather than pydantic-settings: every setting must also be a flag with help
+and choices (argparse's job either way) and report which of the four layers it came from (the
+start-up banner names it), and SGLang-style ``--enable-X`` / ``--disable-X`` pairs; the table
+below does all three with no second declaration, which pydantic-settings would not shorten.
 
 Engine options left unset keep the engine's own defaults (:class:`EngineConfig`'s).
 
@@ -25,7 +23,6 @@ Not for: parsing the options of other subcommands, or HTTP (see :mod:`replaykv.s
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import urllib.parse
@@ -40,12 +37,12 @@ from replaykv.cache.stores import STORE_FORMATS, capacity_bytes, parse_capacity
 from replaykv.cli_parser import ArgumentParser
 from replaykv.model.presets import all_presets
 from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags
+from replaykv.server.tenants import parse_keys
 
 if TYPE_CHECKING:
     from replaykv.engine.config import EngineConfig
 
 ENV_PREFIX = "REPLAYKV_"
-DEFAULT_TENANT = "default"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "small"
 """Where a trained model shipped with the package lives (config.json + safetensors), if any."""
 
@@ -118,35 +115,6 @@ def _to_str(raw: Any) -> str:
     return str(raw)
 
 
-def key_tenant(key: str) -> str:
-    """The tenant of a key given without one: ``key-`` + 16 hex digits of its SHA-256.
-
-    A digest, so the key itself never shows in logs or metrics; distinct keys get distinct
-    tenants, none of them ``default``.
-    """
-    return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def _to_keys(raw: Any) -> tuple[tuple[str, str], ...]:
-    """API keys as ``((key, tenant), ...)`` from a mapping, a list of "KEY=TENANT", or "k=t,k2=t2"."""
-    if isinstance(raw, Mapping):
-        items = [(str(k), str(v)) for k, v in raw.items()]
-    else:
-        parts = raw.split(",") if isinstance(raw, str) else list(raw)
-        items = []
-        for part in parts:
-            key, sep, tenant = str(part).strip().partition("=")
-            items.append((key.strip(), tenant.strip() if sep else key_tenant(key.strip())))
-    seen: dict[str, str] = {}
-    for key, tenant in items:
-        if not key or not tenant:
-            raise ValueError(f"an API key entry needs KEY=TENANT with both non-empty, got {key!r}={tenant!r}")
-        if key in seen and seen[key] != tenant:
-            raise ValueError(f"API key {key[:4]}… is mapped to two tenants ({seen[key]!r}, {tenant!r})")
-        seen[key] = tenant
-    return tuple(seen.items())
-
-
 @dataclass(frozen=True)
 class Option:
     """One setting: its name (attribute, flag, variable and file key), parser, default and help."""
@@ -179,7 +147,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", _to_str, None, "model directory (config.json + safetensors); default: --preset when given, else the bundled model"),
     Option("preset", _to_str, "small", "preset with random weights; used when given without --model, or when no model is bundled", choices=tuple(sorted(all_presets()))),
     Option("served_model_name", _to_str, None, "model name in the API (default: the engine's model name)"),
-    Option("api_key", _to_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable); a bare KEY is its own tenant 'key-<sha256 prefix>', and shares tenant 'default' (the one without authentication) only as KEY=default; none = no authentication, tenant 'default'", metavar="KEY[=TENANT]"),
+    Option("api_key", parse_keys, (), "KEY=TENANT: accept KEY for TENANT (repeatable); a bare KEY is its own tenant 'key-<sha256 prefix>', and shares tenant 'default' (the one without authentication) only as KEY=default; none = no authentication, tenant 'default'", metavar="KEY[=TENANT]"),
     Option("admin_key", _to_str, None, "bearer key of the /admin endpoints (unset = admin endpoints refused)"),
     Option("log_level", _to_str, "info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug")),
     Option("enable_encoder_swa_bounded_replay", _to_bool, False, "on a window-snapshot miss replay the last W tokens; off (the default, as in SGLang): the exact rebuild"),
@@ -220,15 +188,6 @@ _REPLAY_OPTIONS = (
     "swa_miss_strategy",
     "replay_span",
 )
-
-
-def tenant_salt(tenant: str) -> bytes:
-    """The cache salt of a tenant: SHA-256 over a tag and the framed UTF-8 name (32 bytes).
-
-    Framing by length keeps ("org_1", …) and ("org_12345", …) apart; the tag keeps these salts
-    apart from any other use of the name."""
-    name = tenant.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(b"replaykv.tenant.v1\0" + len(name).to_bytes(8, "little") + name).digest()
 
 
 @dataclass(frozen=True)

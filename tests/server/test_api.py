@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from replaykv.server.chat import BUILTIN_TEMPLATE
-from replaykv.server.settings import ServerSettings, tenant_salt
+from replaykv.server.settings import ServerSettings
+from replaykv.server.tenants import tenant_salt
 from replaykv.tokenizer import ByteTokenizer
 from tests.server.conftest import ADMIN, ALICE, BOB, LiveServer
 from tests.server.fake_engine import END_ID, FakeEngine

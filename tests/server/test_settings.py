@@ -10,15 +10,8 @@ import pytest
 
 from replaykv.server import settings as settings_module
 from replaykv.server import usage_text
-from replaykv.server.settings import (
-    DEFAULT_TENANT,
-    OPTIONS,
-    SettingsError,
-    build_parser,
-    key_tenant,
-    load_settings,
-    tenant_salt,
-)
+from replaykv.server.settings import OPTIONS, SettingsError, build_parser, load_settings
+from replaykv.server.tenants import DEFAULT_TENANT, key_tenant, tenant_salt
 
 REPO = Path(__file__).resolve().parents[2]
 
