@@ -30,6 +30,7 @@ import xxhash
 from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.keys import KEY_BYTES, key_hex
 from replaykv.cache.metrics import TierMetrics
+from replaykv.cache.redis_url import redacted_url
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ class RedisSwaPool(SwaPool):
         )
         if url is not None:
             self._client = redis.Redis.from_url(url, **options)
-            self.address = url
+            self.address = redacted_url(url)  # logged and in stats: never the password
         else:
             self._client = redis.Redis(host=host, port=port, db=db, password=password, **options)
             self.address = f"redis://{host}:{port}/{db}"

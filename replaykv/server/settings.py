@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from replaykv.cache.redis_url import redacted_url
 from replaykv.cache.stores import STORE_FORMATS, capacity_bytes, parse_capacity
 from replaykv.cli_parser import ArgumentParser
 from replaykv.model.presets import all_presets
@@ -267,13 +267,8 @@ class Settings:
         """Every setting by name, keys replaced by how many there are and a Redis password by
         ``***`` (for /get_server_info)."""
         out = {name: value for name, value in self.values.items() if name not in ("api_key", "admin_key")}
-        url = out.get("redis_url")
-        if url:
-            parts = urllib.parse.urlsplit(url)
-            if parts.password is not None:
-                host = parts.netloc.rpartition("@")[2]
-                user = f"{parts.username}:" if parts.username else ":"
-                out["redis_url"] = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
+        if out.get("redis_url"):
+            out["redis_url"] = redacted_url(out["redis_url"])
         out["api_keys"] = len(self.values["api_key"])
         out["admin_endpoints"] = self.values["admin_key"] is not None
         return out

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from replaykv.cache.keys import prefix_key
+from replaykv.cache.redis_url import redacted_url
 from replaykv.cache.swa_pool import SNAPSHOT_FRAME, RedisSwaPool, encode_snapshot_frame, make_swa_pool
 from tests.cache.conftest import FakeClock, RedisServer, make_namespace
 
@@ -241,3 +242,20 @@ def test_an_outage_is_logged_once_then_rate_limited_then_its_recovery(
     assert pool.get(k(3)) is None
     assert len(caplog.records) == 4 and pool.redis_key(k(3)) in caplog.records[3].message
     assert "quarantined" in caplog.records[3].message
+
+
+def test_a_password_in_the_url_never_shows_in_stats_or_the_log(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis_server.client().config_set("requirepass", "hunter2")
+    url = f"redis://:hunter2@127.0.0.1:{redis_server.port}/0"
+    pool = make_pool(url, circuit_clock=FakeClock(0.0))
+    assert pool.put(k(1), b"value") and pool.get(k(1)) == b"value"  # the password reached Redis
+    assert pool.stats()["address"] == f"redis://:***@127.0.0.1:{redis_server.port}/0"
+    caplog.set_level(logging.WARNING, logger="replaykv.cache.swa_pool")
+    redis_server.kill()
+    assert pool.get(k(1)) is None
+    assert caplog.records and all("hunter2" not in r.getMessage() for r in caplog.records)
+    assert "redis://:***@" in caplog.records[0].getMessage()
+    assert redacted_url("redis://alice:pw@h:1/2") == "redis://alice:***@h:1/2"
+    assert redacted_url("rediss://h:1/0") == "rediss://h:1/0"
