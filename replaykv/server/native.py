@@ -84,8 +84,9 @@ def add_native_routes(app: FastAPI, svc: _Service, server_args: Mapping[str, Any
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        return {"version": replaykv.__version__, "served_model_name": svc.model_name,
-                "max_model_len": engine.max_context, **server_args}  # fmt: skip
+        # the served values last: the settings hold None where the engine chose (e.g. the name)
+        return {**server_args, "version": replaykv.__version__, "served_model_name": svc.model_name,
+                "max_model_len": engine.max_context}  # fmt: skip
 
     @app.get("/health_generate")
     async def health_generate() -> JSONResponse:

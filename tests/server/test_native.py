@@ -67,6 +67,7 @@ def test_model_and_server_info_need_a_key_and_redact_secrets(live: LiveServer) -
     assert args["enable_encoder_swa_bounded_replay"] is False
     assert args["enable_decoder_swa_bounded_replay"] is False
     assert args["preset"] == "tiny" and args["version"] == replaykv.__version__
+    assert args["served_model_name"] == live.engine.model_name and args["max_model_len"] == live.engine.max_context
 
 
 def test_tokenize_detokenize_round_trip_single_and_batch(live: LiveServer) -> None:
