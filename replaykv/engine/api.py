@@ -38,7 +38,13 @@ class QueueFull(EngineError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 = greedy. seed makes sampling reproducible per request."""
+    """How to pick tokens. temperature 0 = greedy. seed makes sampling reproducible per request.
+
+    The logits pass through, in this order: logit_bias, repetition_penalty (prompt and output
+    tokens: a positive logit divided by it, a negative one multiplied), presence and frequency
+    penalties (output tokens), then temperature, min_p, top-k and top-p. Greedy requests take the
+    argmax after the first three.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -49,6 +55,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each emitted token's logprob + the k most likely
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability (0 = off)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (1 = off)
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 @dataclass(frozen=True)

@@ -666,7 +666,7 @@ class Engine(EngineAPI):
             ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
             plan=plan,
             accounting=accounting,
-            sampler=Sampler(sampling),
+            sampler=Sampler(sampling, w.request.prompt_ids),
             output=OutputStream(sampling, self.tokenizer.decode, self.eos_ids),
         )
         r.skip_empty()

@@ -1,7 +1,8 @@
 """Picking the next token and deciding when a request stops.
 
 For: checking :class:`~replaykv.engine.api.SamplingParams` against the model, a per-request
-:class:`Sampler` (greedy, temperature, top-k, top-p, drawn from a torch.Generator seeded from
+:class:`Sampler` (logit bias, repetition / presence / frequency penalties, greedy, temperature,
+min-p, top-k, top-p, drawn from a torch.Generator seeded from
 ``seed`` so a seeded request is reproducible whatever it is batched with) and a per-request
 :class:`OutputStream` that turns sampled ids into streamed text: stop token ids (and eos unless
 ``ignore_eos``), stop strings found in the decoded text, ``max_tokens``.
@@ -45,24 +46,73 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+    if not (0.0 <= params.min_p <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1] (0 = off); got {params.min_p}")
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off); got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise ValueError(f"{name} must be in [-2, 2]; got {value}")
+    bad_bias = [t for t, b in params.logit_bias if not 0 <= t < vocab_size or not math.isfinite(b)]
+    if bad_bias:
+        raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}) with finite values; got {bad_bias[:5]}")
 
 
 class Sampler:
-    """Draws next tokens for one request from float32 logits [vocab] (on any device)."""
+    """Draws next tokens for one request from float32 logits [vocab] (on any device).
 
-    def __init__(self, params: SamplingParams) -> None:
+    `prompt` (the request's prompt ids) feeds the repetition penalty; every sampled token is
+    counted for the presence and frequency penalties.
+    """
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._prompt = frozenset(prompt) if params.repetition_penalty != 1.0 else frozenset()
+        self._counts: dict[int, int] = {}
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature == 0 or self.params.top_k == 1
 
+    @property
+    def _adjusts(self) -> bool:
+        p = self.params
+        return bool(p.logit_bias) or p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` after logit bias and the penalties (a float32 copy; `logits` is untouched)."""
+        p = self.params
+        x = logits.detach().float().clone()
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+            x.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=x.device))
+        if p.repetition_penalty != 1.0:
+            seen = self._prompt.union(self._counts)
+            if seen:
+                ids = torch.tensor(sorted(seen), device=x.device)
+                v = x[ids]
+                x[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+            ids = torch.tensor(list(self._counts), device=x.device)
+            n = torch.tensor(list(self._counts.values()), dtype=x.dtype, device=x.device)
+            x[ids] -= p.presence_penalty + p.frequency_penalty * n
+        return x
+
     def sample(self, logits: torch.Tensor) -> int:
+        token = self._draw(self.adjusted(logits) if self._adjusts else logits)
+        self._counts[token] = self._counts.get(token, 0) + 1
+        return token
+
+    def _draw(self, logits: torch.Tensor) -> int:
         if self.greedy:
             return int(logits.argmax().item())
         x = logits.detach().float().cpu() / self.params.temperature
+        if self.params.min_p > 0:
+            probs = torch.softmax(x, dim=-1)
+            x = x.masked_fill(probs < self.params.min_p * probs.max(), float("-inf"))
         k = self.params.top_k
         if 0 < k < x.shape[-1]:
             kth = torch.topk(x, k).values[-1]

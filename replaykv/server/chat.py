@@ -192,29 +192,41 @@ class JinjaChatTemplate:
     def _compiled(self) -> Any:
         return _compile_jinja(self.source)
 
-    def render_text(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt as text, as transformers' ``apply_chat_template(..., tokenize=False)``."""
+    def render_text(
+        self,
+        messages: Sequence[tuple[str, str]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt as text, as transformers' ``apply_chat_template(..., tokenize=False)``
+        (`tools`, OpenAI's tool definitions, passed as the template's ``tools``)."""
         import jinja2
 
         listed = [{"role": role, "content": content} for role, content in messages]
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             return str(
                 self._compiled().render(
-                    messages=listed, add_generation_prompt=add_generation_prompt, **self.variables
+                    messages=listed, add_generation_prompt=add_generation_prompt, **extra, **self.variables
                 )
             )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(str(e), "messages") from e
 
-    def render(self, messages: Sequence[tuple[str, str]], tokenizer: Tokenizer) -> list[int]:
+    def render(
+        self,
+        messages: Sequence[tuple[str, str]],
+        tokenizer: Tokenizer,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Prompt ids of `messages` [(role, content), ...] followed by the generation prompt."""
         if not messages:
             raise ChatTemplateError("messages must hold at least one message", "messages")
         held = [(role, f"\ue000{i}\ue001") for i, (role, _) in enumerate(messages)]
-        text = self.render_text(held)
+        text = self.render_text(held, tools=tools)
         pieces = _PLACEHOLDER.split(text)
         if sorted(int(i) for i in pieces[1::2]) != list(range(len(messages))):
-            return _encode_template(self.render_text(messages), tokenizer)
+            return _encode_template(self.render_text(messages, tools=tools), tokenizer)
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             ids += tokenizer.encode(messages[int(piece)][1]) if k % 2 else _encode_template(piece, tokenizer)

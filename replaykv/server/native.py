@@ -29,7 +29,7 @@ from replaykv.engine.api import EngineError, Request, SamplingParams
 from replaykv.server.tenants import DEFAULT_TENANT, tenant_salt
 
 if TYPE_CHECKING:
-    from replaykv.server.app import _Service
+    from replaykv.server.service import Service
 
 log = logging.getLogger("replaykv.server")
 
@@ -57,9 +57,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId] | list[list[TokenId]]
 
 
-def add_native_routes(app: FastAPI, svc: _Service, server_args: Mapping[str, Any]) -> None:
+def add_native_routes(app: FastAPI, svc: Service, server_args: Mapping[str, Any]) -> None:
     """Register the endpoints above on `app`; `server_args` is what /get_server_info shows."""
-    from replaykv.server.app import ApiError
+    from replaykv.server.errors import ApiError
 
     engine = svc.engine
 

@@ -2,20 +2,27 @@
 
 Requests are pydantic models with ``extra="forbid"`` and ``strict=True``: an unknown field, a
 string where a number belongs, ``true`` as a token id or a NaN temperature are all 400s (the
-app turns validation errors into OpenAI's error shape). OpenAI options this server cannot
-honour (``n`` > 1, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``) are accepted
-only at their neutral value and otherwise refused with a message naming them. Log-probabilities
+app turns validation errors into OpenAI's error shape). Served: ``n`` (≤ 16 choices),
+``best_of`` (completions; the choices with the highest mean token log-probability), ``echo``
+(completions, not with ``logprobs``), ``seed``, ``stop``, ``logit_bias``, ``presence_penalty``,
+``frequency_penalty`` and, as vLLM names them, ``min_p`` and ``repetition_penalty``; ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (see :mod:`replaykv.server.tools`);
+``response_format`` (checked, not enforced: :mod:`replaykv.server.response_format`).
+:data:`IGNORED_FIELDS` (``store``, ``metadata``, ``service_tier``, …) are accepted, have no effect
+here, and are named in the log and in the ``X-Replaykv-Ignored-Fields`` response header.
+``suffix`` is refused unless null (insertion is not implemented). Log-probabilities
 of generated tokens are served (completions ``logprobs``: k; chat ``logprobs`` + ``top_logprobs``;
 k ≤ 20), under the model's distribution before temperature / top-k / top-p; token names are
 unique (bytes that are not ASCII read ``bytes:\\xNN``, specials by name).
 ``cache_salt`` (and ``salt``, ``tenant``) is refused: the server derives the cache salt from
-the API key, so a client can never pick another tenant's. ``user`` is accepted and ignored.
+the API key, so a client can never pick another tenant's.
 
 Extensions beyond OpenAI (vLLM's names): ``top_k`` (0 or -1 = off), ``ignore_eos``,
 ``stop_token_ids`` (token ids that end the request, beside end-of-text) and ``return_token_ids`` (the response then carries ``prompt_token_ids`` and each choice, or each
 streamed chunk, its ``token_ids``). Each response's
 ``usage`` carries ``prompt_tokens_details.cached_tokens`` and a ``replaykv`` object (path,
-replayed tokens, prefill work).
+replayed tokens, prefill work; docs/server.md lists its fields). A stream carries usage only
+when ``stream_options.include_usage`` asks for it: in one last chunk with no choices.
 
 Not for: validation that needs the engine (context length, token ids beyond the vocabulary;
 see :mod:`replaykv.server.app`).
@@ -24,6 +31,7 @@ see :mod:`replaykv.server.app`).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal
@@ -32,13 +40,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from replaykv.engine.api import Accounting, TokenLogprob
+from replaykv.server.response_format import check_schema
 
 SERVER_SIDE_FIELDS = ("cache_salt", "salt", "tenant")
 """Fields a client might send to choose a cache namespace; always refused (400)."""
 
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier")
+"""OpenAI fields accepted for compatibility that change nothing here (logged, never a 400)."""
+
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+MAX_LOGIT_BIAS = 1024
 
 
 class _Body(BaseModel):
@@ -68,30 +82,49 @@ class _Sampling(_Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, lt=2**31)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    # accepted, no effect here (IGNORED_FIELDS)
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
 
-    _NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "n": (1,),
-        "presence_penalty": (0.0,),
-        "frequency_penalty": (0.0,),
-        "logit_bias": (None, {}),
-    }
-
-    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")
+    @field_validator("logit_bias")
     @classmethod
-    def _neutral(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls._only_neutral(value, str(info.field_name))
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key, bias in value.items():
+            if not key.isdigit() or int(key) >= 2**31:
+                raise ValueError(f"keys must be token ids written as decimal strings; got {key!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"values must be in [-100, 100]; got {bias} for token {key}")
+        return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """The :data:`IGNORED_FIELDS` this request set (to log and report)."""
+        return tuple(f for f in IGNORED_FIELDS if f in self.model_fields_set)
 
     @field_validator("stop")
     @classmethod
@@ -118,20 +151,34 @@ class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    _NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_Sampling._NEUTRAL,
-        "echo": (False,),
-        "best_of": (None, 1),
-        "suffix": (None,),
-    }
+    _NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": (None,)}
 
-    @field_validator("echo", "best_of", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _neutral_c(cls, value: Any, info: ValidationInfo) -> Any:
         return cls._only_neutral(value, str(info.field_name))
+
+    @model_validator(mode="after")
+    def _combinations(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise PydanticCustomError("best_of", "best_of must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise PydanticCustomError("best_of", "best_of > n cannot be streamed (the best are known at the end)")
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError(
+                "echo",
+                "echo with logprobs would return the prompt's log-probabilities, which this server does "
+                "not compute; drop one of them",
+            )
+        return self
+
+    @property
+    def candidates(self) -> int:
+        """How many completions to generate (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
 
 class TextPart(_Body):
@@ -139,11 +186,69 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(
+                "response_format", "json_schema is required with type json_schema, and only with it"
+            )
+        if self.json_schema is not None:
+            try:
+                check_schema(self.json_schema.schema_)
+            except ValueError as e:
+                raise PydanticCustomError("response_format", str(e)) from e
+        return self
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def text(self) -> str:
@@ -161,12 +266,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+    def _combinations(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("tools", "tool function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError(
+                "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools"
+            )
+        if choice == "required" and not names:
+            raise PydanticCustomError("tool_choice", "tool_choice 'required' needs tools")
+        if names and self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError("response_format", "response_format JSON modes cannot be combined with tools")
         return self
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """tool_choice as one string: "none" / "auto" / "required" / a function name (None: no tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none" if self.tools else None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     @property
     def logprobs_k(self) -> int | None:
@@ -187,29 +317,49 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, acc: Accounting | None) -> dict[str, Any]:
-    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` and the ``replaykv`` extension
-    (the engine's prompt count wins over the server's when it reports one)."""
-    cached = acc.cached_tokens if acc is not None else 0
-    if acc is not None:
-        prompt_tokens = acc.prompt_tokens
+def accounting(acc: Accounting) -> dict[str, Any]:
+    """The ``usage.replaykv`` object of one engine request (fields listed in docs/server.md)."""
+    return {
+        "path": acc.path,
+        "cached_tokens": acc.cached_tokens,
+        "replayed_tokens": acc.replayed_tokens,
+        "prefill_work": acc.prefill_work,
+        "full_prefill_work": acc.full_prefill_work,
+        "snapshot_hit": acc.snapshot_hit,
+        "window_floors": list(acc.window_floors),
+        "reasons": list(acc.reasons),
+    }
+
+
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    accs: Sequence[Accounting | None],
+    response_format: Sequence[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` and the ``replaykv`` extension.
+
+    `accs`: one accounting per generated choice. The prompt counts once (the first choice's
+    engine count wins over the server's); with several choices ``replaykv`` is the first one's
+    with ``choices`` (each choice's object) added. `response_format`: one conformance report
+    per choice.
+    """
+    first = accs[0] if accs else None
+    if first is not None:
+        prompt_tokens = first.prompt_tokens
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first is not None else 0},
     }
-    if acc is not None:
-        out["replaykv"] = {
-            "path": acc.path,
-            "cached_tokens": acc.cached_tokens,
-            "replayed_tokens": acc.replayed_tokens,
-            "prefill_work": acc.prefill_work,
-            "full_prefill_work": acc.full_prefill_work,
-            "snapshot_hit": acc.snapshot_hit,
-            "window_floors": list(acc.window_floors),
-            "reasons": list(acc.reasons),
-        }
+    if first is not None:
+        ext = accounting(first)
+        if len(accs) > 1:
+            ext["choices"] = [accounting(a) if a is not None else None for a in accs]
+        if response_format is not None:
+            ext["response_format"] = list(response_format)
+        out["replaykv"] = ext
     return out
 
 
@@ -245,50 +395,55 @@ def chat_logprobs(
     }
 
 
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def completion(
     rid: str,
     model: str,
-    text: str,
-    finish_reason: str | None,
+    choices: list[dict[str, Any]],
     use: dict[str, Any] | None,
-    chunk: bool = False,
-    logprobs: dict[str, Any] | None = None,
+    with_usage: bool = True,
 ) -> dict[str, Any]:
-    """A text completion, or one chunk of a streamed one (``usage`` only where given)."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    """A text completion, or one chunk of a streamed one: a chunk carries ``usage`` only with
+    `with_usage` (``include_usage``), null until the usage-only chunk."""
     out: dict[str, Any] = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
     }
-    if use is not None or not chunk:
+    if with_usage or use is not None:
         out["usage"] = use
     return out
 
 
+def chat_message(text: str | None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def chat_choice(
+    index: int, message: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def chat_completion(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    use: dict[str, Any] | None,
-    logprobs: dict[str, Any] | None = None,
+    rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any] | None
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": use,
     }
 
@@ -296,16 +451,20 @@ def chat_completion(
 def chat_chunk(
     rid: str,
     model: str,
+    index: int | None,
     delta: dict[str, Any] | None,
     finish_reason: str | None,
     use: dict[str, Any] | None,
     logprobs: dict[str, Any] | None = None,
+    with_usage: bool = False,
 ) -> dict[str, Any]:
-    """One streamed chat chunk; ``delta=None`` gives the usage-only chunk (``choices: []``)."""
+    """One streamed chat chunk of choice `index`; ``index=None`` gives the usage-only chunk
+    (``choices: []``). With `with_usage` (``include_usage``) every chunk carries ``usage``
+    (null until the last one), as OpenAI streams it."""
     choices = (
         []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if index is None or delta is None
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     out: dict[str, Any] = {
         "id": rid,
@@ -314,6 +473,6 @@ def chat_chunk(
         "model": model,
         "choices": choices,
     }
-    if use is not None:
+    if with_usage or use is not None:
         out["usage"] = use
     return out

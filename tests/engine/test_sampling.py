@@ -3,6 +3,7 @@ strings (through the engine, and the text stream's hold-back rules on their own)
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from replaykv.engine import Engine, Request, SamplingParams
@@ -96,3 +97,80 @@ def test_top_p_keeps_the_smallest_set() -> None:
     assert drawn == {0, 1}
     top2 = Sampler(Params(temperature=1.0, top_k=2, seed=0))
     assert {top2.sample(logits) for _ in range(200)} == {0, 1}
+
+
+def _reference_adjusted(logits: list[float], p: Params, prompt: list[int], output: list[int]) -> list[float]:
+    """The logit processors written out per token, from their definitions (vLLM / HF order)."""
+    x = list(logits)
+    for t, b in p.logit_bias:
+        x[t] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
+    return x
+
+
+def test_penalties_and_bias_match_the_reference() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(50)
+    prompt, output = [1, 2, 3, 3, 9], [4, 4, 4, 2, 7]
+    params = Params(
+        temperature=0.0,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.25,
+        logit_bias=((5, 3.0), (2, -1.5)),
+    )
+    sampler = Sampler(params, prompt)
+    for t in output:  # the sampler counts what it drew; feed the output through it
+        sampler._counts[t] = sampler._counts.get(t, 0) + 1
+    got = sampler.adjusted(logits).tolist()
+    want = _reference_adjusted(logits.tolist(), params, prompt, output)
+    assert got == pytest.approx(want, abs=1e-6)
+    assert logits.tolist() != got  # the input is not modified in place
+    assert sampler.sample(logits) == max(range(50), key=lambda i: want[i])
+
+
+def test_a_strong_bias_forces_a_token_and_frequency_penalty_breaks_loops() -> None:
+    logits = torch.zeros(10)
+    forced = Sampler(Params(temperature=1.0, seed=1, logit_bias=((6, 100.0),)))
+    assert {forced.sample(logits) for _ in range(20)} == {6}
+    # greedy on flat logits repeats token 0; a frequency penalty walks through the vocabulary
+    looping = Sampler(Params(temperature=0.0, frequency_penalty=1.0))
+    assert [looping.sample(logits) for _ in range(10)] == list(range(10))
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(Params(temperature=1.0, min_p=0.35, seed=0))  # keeps p >= 0.175
+    assert {sampler.sample(logits) for _ in range(300)} == {0, 1}
+    everything = Sampler(Params(temperature=1.0, min_p=0.0, seed=0))
+    assert {everything.sample(logits) for _ in range(300)} == {0, 1, 2, 3}
+
+
+def test_new_sampling_fields_are_checked() -> None:
+    from replaykv.engine.sampling import check_sampling
+
+    for bad, field in (
+        (Params(min_p=1.5), "min_p"),
+        (Params(repetition_penalty=0.0), "repetition_penalty"),
+        (Params(presence_penalty=2.5), "presence_penalty"),
+        (Params(frequency_penalty=float("nan")), "frequency_penalty"),
+        (Params(logit_bias=((999, 1.0),)), "logit_bias"),
+    ):
+        try:
+            check_sampling(bad, vocab_size=100)
+        except ValueError as e:
+            assert field in str(e)
+        else:
+            raise AssertionError(f"{field} was not checked")
+
+
+def test_penalties_through_the_engine(cold_engine: Engine) -> None:
+    greedy, _, _ = run(cold_engine, max_tokens=8, temperature=0.0, ignore_eos=True)
+    banned = greedy[0]
+    ids, _, _ = run(cold_engine, max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=((banned, -100.0),))
+    assert banned not in ids
+    fresh, _, _ = run(cold_engine, max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0)
+    assert len(set(fresh)) >= len(set(greedy))

@@ -81,6 +81,7 @@ class FakeEngine(EngineAPI):
         self.handles: list[FakeHandle] = []
         self.seen: dict[bytes, list[tuple[int, ...]]] = {}
         self.calls: list[str] = []
+        self.reply: bytes | None = None  # a fixed answer (ends with "stop") instead of "ok <n>"
         self.lock = threading.Lock()
 
     @property
@@ -99,6 +100,7 @@ class FakeEngine(EngineAPI):
             self.calls.clear()
             self.queue_full = False
             self.delay_s = 0.0
+            self.reply = None
 
     def _cached(self, salt: bytes, prompt: tuple[int, ...]) -> int:
         best = 0
@@ -124,7 +126,10 @@ class FakeEngine(EngineAPI):
         reply = list(f"ok {len(prompt)} ".encode()) * (1 + sp.max_tokens // 4)
         out = reply[: sp.max_tokens]
         finish = "length"
-        if END_ID in sp.stop_token_ids and sp.max_tokens > 6:
+        if self.reply is not None:
+            out = list(self.reply)[: sp.max_tokens]
+            finish = "stop" if len(out) == len(self.reply) else "length"
+        elif END_ID in sp.stop_token_ids and sp.max_tokens > 6:
             out, finish = out[:6], "stop"
         with self.lock:
             cached = self._cached(request.salt, prompt)

@@ -100,8 +100,16 @@ def test_chat_and_stream(live: LiveServer, fake: FakeEngine) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
-    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details is not None
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the fake counts the first prompt
+    assert all(c.usage is None for c in chunks)  # usage on a stream only when include_usage asks
+    counted = list(
+        client(live).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=20, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert all(c.usage is None for c in counted[:-1]) and counted[-1].choices == []
+    usage = counted[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the fake counts the first prompt
 
 
 def test_models_and_health(live: LiveServer) -> None:
@@ -202,6 +210,9 @@ def test_admin_disabled_and_no_auth_mode() -> None:
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MSG = [{"role": "user", "content": "hi"}]
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"properties": {"key": {"type": "string"}}}}}
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "abc"}'}}
+
 BAD: list[tuple[str, Any, int, str | None]] = [
     (C, b"{not json", 400, None),
     (C, b"", 400, None),
@@ -234,14 +245,21 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (C, {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
     (C, {"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
     (C, {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
-    (C, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-    (C, {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+    (C, {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    (C, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    (C, {"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, 400, None),
+    (C, {"model": MODEL, "prompt": "x", "n": 1, "best_of": 2, "stream": True}, 400, None),
     (C, {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (C, {"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
-    (C, {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    (C, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, None),
     (C, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    (C, {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    (C, {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (C, {"model": MODEL, "prompt": "x", "store": "yes"}, 400, "store"),
     (C, {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     (C, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     (C, {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -255,7 +273,10 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, None),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}]}, 400,
+     "messages[0].tool_calls"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {
+        "name": "lookup", "arguments": "{oops"}}]}]}, 400, "messages[0].tool_calls"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": OK_MSG, "max_tokens": 251}, 400, "max_tokens"),
     (
@@ -266,8 +287,17 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ),
     (CHAT, {"model": MODEL, "messages": OK_MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": OK_MSG, "top_logprobs": 2}, 400, None),
-    (CHAT, {"model": MODEL, "messages": OK_MSG, "n": 3}, 400, "n"),
-    (CHAT, {"model": MODEL, "messages": OK_MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "n": 17}, 400, "n"),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "tools": [{"type": "function"}]}, 400, None),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "tool_choice": "required"}, 400, None),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "tools": [LOOKUP], "tool_choice": "maybe"}, 400, "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "tools": [LOOKUP],
+            "tool_choice": {"type": "function", "function": {"name": "other"}}}, 400, None),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "tools": [LOOKUP, LOOKUP]}, 400, None),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "response_format": {"type": "json_schema"}}, 400, None),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "response_format": {"type": "yaml"}}, 400, None),
+    (CHAT, {"model": MODEL, "messages": OK_MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 5}}}}, 400, None),
     (CHAT, {"model": MODEL, "messages": OK_MSG, "cache_salt": "bob"}, 400, "cache_salt"),
 ]
 
