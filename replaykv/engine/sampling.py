@@ -70,8 +70,11 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self._prompt = frozenset(prompt) if params.repetition_penalty != 1.0 else frozenset()
-        self._counts: dict[int, int] = {}
+        self._prompt = tuple(prompt) if params.repetition_penalty != 1.0 else ()
+        # per-vocabulary state, built on the first call (vocabulary size and device from the logits)
+        self._seen: torch.Tensor | None = None  # bool: in the prompt or the output
+        self._counts: torch.Tensor | None = None  # float: occurrences in the output
+        self._pending: list[int] = []  # tokens drawn before the state exists
 
     @property
     def greedy(self) -> bool:
@@ -82,28 +85,44 @@ class Sampler:
         p = self.params
         return bool(p.logit_bias) or p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
+    def observe(self, token: int) -> None:
+        """Count `token` as output (the penalties read it); `sample` calls it for what it draws."""
+        if self._counts is None:
+            self._pending.append(token)
+            return
+        self._counts[token] += 1
+        self._seen[token] = True  # type: ignore[index]
+
+    def _state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._seen is None or self._counts is None:
+            self._seen = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+            if self._prompt:
+                self._seen[torch.tensor(self._prompt, device=x.device)] = True
+            self._counts = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+            for t in self._pending:
+                self.observe(t)
+            self._pending.clear()
+        return self._seen, self._counts
+
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` after logit bias and the penalties (a float32 copy; `logits` is untouched)."""
         p = self.params
         x = logits.detach().float().clone()
+        seen, counts = self._state(x)
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
             x.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=x.device))
         if p.repetition_penalty != 1.0:
-            seen = self._prompt.union(self._counts)
-            if seen:
-                ids = torch.tensor(sorted(seen), device=x.device)
-                v = x[ids]
-                x[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and self._counts:
-            ids = torch.tensor(list(self._counts), device=x.device)
-            n = torch.tensor(list(self._counts.values()), dtype=x.dtype, device=x.device)
-            x[ids] -= p.presence_penalty + p.frequency_penalty * n
+            penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x = torch.where(seen, penalised, x)
+        if p.presence_penalty or p.frequency_penalty:
+            x -= (counts > 0).to(x.dtype) * p.presence_penalty + counts * p.frequency_penalty
         return x
 
     def sample(self, logits: torch.Tensor) -> int:
         token = self._draw(self.adjusted(logits) if self._adjusts else logits)
-        self._counts[token] = self._counts.get(token, 0) + 1
+        if self._adjusts:
+            self.observe(token)
         return token
 
     def _draw(self, logits: torch.Tensor) -> int:

@@ -124,7 +124,7 @@ def test_penalties_and_bias_match_the_reference() -> None:
     )
     sampler = Sampler(params, prompt)
     for t in output:  # the sampler counts what it drew; feed the output through it
-        sampler._counts[t] = sampler._counts.get(t, 0) + 1
+        sampler.observe(t)
     got = sampler.adjusted(logits).tolist()
     want = _reference_adjusted(logits.tolist(), params, prompt, output)
     assert got == pytest.approx(want, abs=1e-6)
