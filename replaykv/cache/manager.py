@@ -236,9 +236,10 @@ class CacheManager:
         self.requests = _LedgerTokens()
         self.device_tokens = _LedgerTokens()
         self.store_tokens = _LedgerTokens()
-        self.snapshot_lookups = Counter()
         self.snapshot_found = Counter()
         self.snapshot_loaded = Counter()
+        # The SWA ledger by window rows: a lookup at H wants the min(W, H) rows before H.
+        self.window_tokens = _LedgerTokens()
         self.snapshot_age_s = Histogram()
         self.loads = Counter()
         self.fallbacks = Counter()
@@ -328,11 +329,14 @@ class CacheManager:
 
         snapshot, snapshot_source = False, None
         if hit and prefix is not None:
-            self.snapshot_lookups.inc()
             snapshot_source = self._snapshot_exists(prefix, reasons, hit)
             snapshot = snapshot_source is not None
+            rows = min(hit, self.layout.spec.sliding_window)
+            self.window_tokens.lookups.inc()
+            self.window_tokens.requested_tokens.inc(rows)
             if snapshot:
                 self.snapshot_found.inc()
+                self.window_tokens.hit_tokens.inc(rows)
         elif limit:
             reasons.append("no global-KV hit")
         carry = not self.layout.needs_carry(hit) or tail or snapshot
@@ -589,6 +593,7 @@ class CacheManager:
                 continue
             load_snapshot(self.layout, snap, view, row)
             self.snapshot_loaded.inc()
+            self.window_tokens.loaded_tokens.inc(min(hit, self.layout.spec.sliding_window))
             self.snapshot_age_s.observe(max(0.0, self._clock() - snap.created_at))
             return source
         reasons.append(f"no window snapshot could be read at {hit}")
@@ -757,7 +762,6 @@ class CacheManager:
     # ---------------------------------------------------------------- accounting
     def stats(self) -> dict[str, Any]:
         """Counters per ledger with their denominators, plus each tier's own ``stats()``."""
-        lookups = self.snapshot_lookups.value
         return {
             "requests": {
                 **self.requests.as_dict(),
@@ -773,9 +777,8 @@ class CacheManager:
                 "tier": self.store.stats() if self.store is not None else None,
             },
             "swa_pool": {
-                "lookups": lookups,
+                **self.window_tokens.as_dict(),
                 "found": self.snapshot_found.value,
-                "found_rate": self.snapshot_found.value / lookups if lookups else None,
                 "loaded": self.snapshot_loaded.value,
                 "age_at_hit_s": self.snapshot_age_s.as_dict(),
                 "tier": self.swa_pool.stats() if self.swa_pool is not None else None,
@@ -808,10 +811,10 @@ class CacheManager:
         with self._pending_lock:
             if self._pending:
                 raise AssertionError(f"{len(self._pending)} keys still marked pending after a flush")
-        for ledger in (self.requests, self.device_tokens, self.store_tokens):
+        for ledger in (self.requests, self.device_tokens, self.store_tokens, self.window_tokens):
             if ledger.hit_tokens.value > ledger.requested_tokens.value:
                 raise AssertionError("more hit tokens than requested tokens")
         if self.device_tokens.hit_tokens.value > self.requests.hit_tokens.value:
             raise AssertionError("device hit tokens exceed the total hit tokens")
-        if self.snapshot_found.value > self.snapshot_lookups.value:
+        if self.snapshot_found.value > self.window_tokens.lookups.value:
             raise AssertionError("more snapshots found than looked up")

@@ -2,11 +2,12 @@
 
 For: the numbers each tier keeps about itself (operations, bytes, hits with their real
 denominators, failures by kind) and a plain ``as_dict()`` view of them that tests, the CLI
-and a later ``/metrics`` exporter read.
+(``replaykv store stats``) and the admin endpoint read. Counters that must agree (``gets ==
+hits + misses``) share one lock, so a reader never sees them torn.
 
-Not for: exporting (no Prometheus or OpenTelemetry dependency here; the server maps these
-dicts to its exporter), per-request accounting (the engine owns that), or timing
-assertions.
+Not for: exporting. ``replaykv.engine.metrics`` maps these dicts to Prometheus families with
+``prometheus_client``; nothing here knows a wire format. Not for per-request accounting (the
+engine owns that) or timing assertions.
 """
 
 from __future__ import annotations
@@ -170,6 +171,10 @@ class TierMetrics:
     not extra outcomes. ``bytes_read`` counts payload bytes returned by hits, ``bytes_written``
     payload bytes of successful puts; ``bytes_resident`` and ``entries`` are gauges of what the
     tier holds now (for Redis, what this client believes it wrote: Redis may evict silently).
+
+    ``gets``/``hits`` count operations, one per entry asked for; they carry no ratio here on
+    purpose. A ledger's hit rate is token-weighted and kept by the cache manager
+    (``CacheManager.stats()[ledger]["hit_rate"]``: hit tokens over requested tokens).
     """
 
     def __init__(self, tier: str) -> None:
@@ -234,18 +239,14 @@ class TierMetrics:
             )
 
     def as_dict(self) -> dict[str, object]:
-        gets = self.gets.value
-        puts = self.puts.value
         return {
             "tier": self.tier,
-            "gets": gets,
+            "gets": self.gets.value,
             "hits": self.hits.value,
             "misses": self.misses.value,
-            "hit_rate": self.hits.value / gets if gets else None,
-            "puts": puts,
+            "puts": self.puts.value,
             "puts_ok": self.puts_ok.value,
             "puts_failed": self.puts_failed.value,
-            "put_success_rate": self.puts_ok.value / puts if puts else None,
             "deletes": self.deletes.value,
             "bytes_read": self.bytes_read.value,
             "bytes_written": self.bytes_written.value,

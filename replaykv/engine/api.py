@@ -11,6 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
+
 from replaykv.replay import ReplayFlags
 
 
@@ -139,8 +142,13 @@ class EngineAPI(abc.ABC):
         return self.submit(request).result()
 
     @abc.abstractmethod
+    def collect(self) -> Iterator[Metric]:
+        """Every engine and ledger metric family (``prometheus_client``'s custom-collector
+        protocol: an engine registers into a ``CollectorRegistry`` as it is)."""
+
     def metrics_text(self) -> str:
-        """Prometheus exposition text of every engine and ledger metric."""
+        """``collect()`` in the Prometheus text format 0.0.4."""
+        return generate_latest(self).decode()
 
     @abc.abstractmethod
     def cache_stats(self) -> dict[str, Any]:

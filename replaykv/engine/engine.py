@@ -38,8 +38,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import math
-import re
 import threading
 import time
 from collections import deque
@@ -49,12 +47,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client.metrics_core import Metric
 
 from replaykv.cache.device_pool import DevicePool
 from replaykv.cache.faultlog import FaultLog
 from replaykv.cache.layout import CacheLayout
 from replaykv.cache.manager import CacheManager
-from replaykv.cache.metrics import Counter, Histogram, LabeledCounter
 from replaykv.cache.store import LocalStore
 from replaykv.cache.stores import make_store
 from replaykv.cache.swa_pool import make_swa_pool
@@ -73,6 +71,7 @@ from replaykv.engine.api import (
     TokenLogprob,
 )
 from replaykv.engine.config import EngineConfig
+from replaykv.engine.metrics import EngineCounters, engine_families
 from replaykv.engine.runner import _gather, _Piece
 from replaykv.engine.sampling import OutputStream, Sampler, check_sampling, token_logprob
 from replaykv.engine.scenario import drop_snapshot
@@ -92,8 +91,6 @@ from replaykv.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 __all__ = ["Engine", "EngineHandle", "generate"]
 
 log = logging.getLogger(__name__)
-
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,33 +317,6 @@ class _Active:
             self.cursor = calls[self.at_call].tokens[0]
 
 
-class _Metrics:
-    """The engine's own counters and histograms (the manager keeps the ledgers')."""
-
-    def __init__(self) -> None:
-        self.submitted = Counter()
-        self.rejected = LabeledCounter()
-        self.finished = LabeledCounter()
-        self.by_path = LabeledCounter()
-        self.ttft = Histogram(LATENCY_BUCKETS_S)
-        self.itl = Histogram(LATENCY_BUCKETS_S)
-        self.e2e = Histogram(LATENCY_BUCKETS_S)
-        self.queue_wait = Histogram(LATENCY_BUCKETS_S)
-        self.prompt_tokens = Counter()
-        self.cached_tokens = Counter()
-        self.replayed_tokens = Counter()
-        self.prefill_work = Counter()
-        self.full_prefill_work = Counter()
-        self.snapshot_hits = Counter()
-        self.prefill_tokens = Counter()
-        self.prefilled_prompt_tokens = Counter()
-        self.decode_tokens = Counter()
-        self.decode_steps = Counter()
-        self.commit_errors = Counter()
-        self.prefill_seconds = 0.0
-        self.decode_seconds = 0.0
-
-
 # ------------------------------------------------------------------------------------------------
 # The engine
 # ------------------------------------------------------------------------------------------------
@@ -356,7 +326,7 @@ class Engine(EngineAPI):
     """Continuous batching over one model with the replaykv cache ledgers (see the module doc)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config: EngineConfig = config
         self.model, self._model_name, self.tokenizer = _build_model(config)
         model_config = self.model.config
         self.spec = ModelSpec.from_config(model_config)
@@ -377,7 +347,7 @@ class Engine(EngineAPI):
         self._decode_views: dict[int, CacheView] = {}
         self._tensors = _row_tensors(self.view)
         self.cache = self._build_cache(cache_dtype) if config.caching else None
-        self.metrics = _Metrics()
+        self.metrics: EngineCounters = EngineCounters()
         self._commit_faults = FaultLog(log, "cache commit")
 
         self._lock = threading.Lock()
@@ -489,8 +459,8 @@ class Engine(EngineAPI):
         per_request = float(mean) if isinstance(mean, float) else 1.0
         return min(60.0, max(0.1, per_request * len(self._waiting) / self.config.max_batch))
 
-    def metrics_text(self) -> str:
-        return _render_metrics(self)
+    def collect(self) -> Iterator[Metric]:
+        return engine_families(self)
 
     def cache_stats(self) -> dict[str, Any]:
         if self.cache is None:
@@ -939,162 +909,3 @@ def generate(engine: EngineAPI, prompt: str | Sequence[int], *, salt: bytes = b"
     else:
         ids = tuple(int(t) for t in prompt)
     return engine.generate(Request(ids, params, salt=salt))
-
-
-# ------------------------------------------------------------------------------------------------
-# Prometheus exposition
-# ------------------------------------------------------------------------------------------------
-
-
-class _Exposition:
-    """Prometheus text format 0.0.4: one HELP/TYPE block per family, samples below it."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.names: set[str] = set()
-
-    def family(self, name: str, kind: str, text: str, samples: list[tuple[dict[str, str], float]]) -> None:
-        if name in self.names or not samples:
-            return
-        self.names.add(name)
-        self.lines += [f"# HELP {name} {_escape_help(text)}", f"# TYPE {name} {kind}"]
-        self.lines += [f"{name}{_labels(labels)} {_number(v)}" for labels, v in samples]
-
-    def counter(self, name: str, text: str, value: float) -> None:
-        self.family(name, "counter", text, [({}, value)])
-
-    def gauge(self, name: str, text: str, value: float) -> None:
-        self.family(name, "gauge", text, [({}, value)])
-
-    def labeled(self, name: str, kind: str, text: str, label: str, values: dict[str, int]) -> None:
-        self.family(name, kind, text, [({label: k}, v) for k, v in sorted(values.items())])
-
-    def histogram(self, name: str, text: str, data: dict[str, Any]) -> None:
-        if name in self.names:
-            return
-        self.names.add(name)
-        self.lines += [f"# HELP {name} {_escape_help(text)}", f"# TYPE {name} histogram"]
-        for le, n in data["buckets_le"].items():
-            self.lines.append(f"{name}_bucket{_labels({'le': le})} {n}")
-        self.lines += [f"{name}_sum {_number(data['sum'])}", f"{name}_count {data['count']}"]
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items()) + "}"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _metric_name(*parts: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(p for p in parts if p))
-
-
-_LABELED_KEYS = ("errors", "quarantine_reasons")
-
-
-def _flatten(out: _Exposition, prefix: str, stats: dict[str, Any], info: dict[str, str]) -> None:
-    """Numbers -> gauges, histogram dicts -> histograms, label->count dicts -> labeled gauges."""
-    for key, value in stats.items():
-        name = _metric_name(prefix, key)
-        what = name.removeprefix("replaykv_cache_").replace("_", " ")
-        if isinstance(value, bool | int | float):
-            out.gauge(name, f"cache ledger statistic: {what}", value)
-        elif isinstance(value, str):
-            info[_metric_name(prefix.removeprefix("replaykv_cache"), key).strip("_")] = value
-        elif isinstance(value, dict):
-            if "buckets_le" in value:
-                out.histogram(name, f"cache ledger histogram: {what}", value)
-            elif key in _LABELED_KEYS:
-                out.labeled(name, "gauge", f"cache ledger counts by kind: {what}", "kind", value)
-            else:
-                _flatten(out, name, value, info)
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds else 0.0
-
-
-def _render_metrics(engine: Engine) -> str:
-    m, cfg, out = engine.metrics, engine.config, _Exposition()
-    info = {
-        "model": engine.model_name,
-        "preset": cfg.preset if cfg.model_dir is None else "",
-        "encoder_replay": str(cfg.enable_encoder_swa_bounded_replay).lower(),
-        "decoder_replay": str(cfg.enable_decoder_swa_bounded_replay).lower(),
-        "swa_miss_strategy": cfg.swa_miss_strategy,
-    }
-    out.family("replaykv_engine_info", "gauge", "the served model and replay switches (value 1)", [(info, 1)])
-    for name, text, label, labeled in (
-        ("replaykv_requests_rejected_total", "requests refused by submit", "reason", m.rejected),
-        ("replaykv_requests_finished_total", "requests finished, by finish reason", "reason", m.finished),
-        ("replaykv_requests_by_path_total", "prefills by replay path", "path", m.by_path),
-    ):
-        out.labeled(name, "counter", text, label, labeled.as_dict())
-    for name, text, hist in (
-        ("replaykv_time_to_first_token_seconds", "submit to first token", m.ttft),
-        ("replaykv_inter_token_latency_seconds", "time between two tokens of a request", m.itl),
-        ("replaykv_e2e_request_latency_seconds", "submit to the final delta", m.e2e),
-        ("replaykv_queue_wait_seconds", "submit to admission into a slot", m.queue_wait),
-    ):
-        out.histogram(name, text, hist.as_dict())
-    counters: tuple[tuple[str, str, float], ...] = (
-        ("requests_submitted", "requests admitted to the waiting queue", m.submitted.value),
-        ("prompt_tokens", "prompt tokens of admitted requests", m.prompt_tokens.value),
-        ("cached_tokens", "prompt tokens whose cached global KV was reused", m.cached_tokens.value),
-        ("replayed_tokens", "cached rows recomputed by replay", m.replayed_tokens.value),
-        ("prefill_work_layer_tokens", "layer x token work the prefills ran", m.prefill_work.value),
-        (
-            "full_prefill_work_layer_tokens",
-            "layer x token work of cold full prefills",
-            m.full_prefill_work.value,
-        ),
-        ("snapshot_hits", "prefills that continued from a window snapshot", m.snapshot_hits.value),
-        ("prefill_rows", "rows run through prefill pieces (any layer range)", m.prefill_tokens.value),
-        ("prefill_tokens", "prompt tokens of finished prefills", m.prefilled_prompt_tokens.value),
-        ("prefill_seconds", "engine time spent in prefill pieces", m.prefill_seconds),
-        ("decode_tokens", "tokens produced by batched decode steps", m.decode_tokens.value),
-        ("decode_steps", "batched decode forwards", m.decode_steps.value),
-        ("decode_seconds", "engine time spent in decode forwards", m.decode_seconds),
-        ("commit_errors", "write-back commits that raised", m.commit_errors.value),
-    )
-    for name, text, value in counters:
-        out.counter(f"replaykv_{name}_total", text, value)
-    gauges: tuple[tuple[str, str, float], ...] = (
-        ("queue_depth", "requests waiting for a slot", engine.queue_depth()),
-        ("running_requests", "requests holding a slot (prefilling or decoding)", engine.running()),
-        ("max_batch", "decode slots", cfg.max_batch),
-        ("prefill_tokens_per_second", "prompt tokens per prefill second (cached tokens included)",
-         _rate(m.prefilled_prompt_tokens.value, m.prefill_seconds)),
-        ("decode_tokens_per_second", "decode tokens per decode second (all rows together)",
-         _rate(m.decode_tokens.value, m.decode_seconds)),
-    )  # fmt: skip
-    for name, text, value in gauges:
-        out.gauge(f"replaykv_{name}", text, value)
-    if engine.cache is not None:
-        cache_info: dict[str, str] = {}
-        _flatten(out, "replaykv_cache", engine.cache.stats(), cache_info)
-        out.family("replaykv_cache_info", "gauge", "cache settings (value 1)", [(cache_info, 1)])
-    return out.text()

@@ -33,14 +33,14 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from replaykv.engine.api import EngineAPI, EngineError
 from replaykv.server.errors import CLIENT_GONE, ApiError, engine_error, validation_error
-from replaykv.server.metrics import HttpMetrics
+from replaykv.server.metrics import ServerMetrics, encode
 from replaykv.server.native import AUTHENTICATED_PATHS, add_native_routes
 from replaykv.server.openai_routes import add_openai_routes
 from replaykv.server.service import Service
@@ -71,7 +71,7 @@ class _Gate:
     """ASGI middleware in front of the router: size limit, authentication, HTTP metrics."""
 
     def __init__(
-        self, app: ASGIApp, settings: ServerSettings, metrics: HttpMetrics, routes: set[str]
+        self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics, routes: set[str]
     ) -> None:
         self.app, self.settings, self.metrics, self.routes = app, settings, metrics, routes
 
@@ -182,7 +182,7 @@ def _replay_body(body: bytes, receive: Receive) -> Receive:
 
 def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `engine` under `settings` (the engine's lifetime is the caller's)."""
-    metrics = HttpMetrics()
+    metrics = ServerMetrics(engine)
     svc = Service(engine, settings, metrics)
     app = FastAPI(
         title="replaykv",
@@ -246,13 +246,12 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
         return {"status": "ok", "model": svc.model_name}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        text = await run_in_threadpool(engine.metrics_text)
-        if text and not text.endswith("\n"):
-            text += "\n"
-        return PlainTextResponse(
-            text + metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    async def prometheus(request: HttpRequest) -> Response:
+        # Collecting reads every tier's stats under their locks: off the event loop.
+        body, content_type = await run_in_threadpool(
+            encode, metrics.registry, request.headers.get("accept"), request.query_params.getlist("name[]")
         )
+        return Response(body, media_type=content_type)
 
     @app.post("/admin/flush_swa_pool")
     async def flush_swa_pool() -> dict[str, Any]:

@@ -1,70 +1,95 @@
-"""HTTP-level metrics of the server, rendered as Prometheus text next to the engine's.
+"""The server's Prometheus registry: HTTP metrics, the process collectors and the engine.
 
-For: requests by route template, method and status (the route template, not the raw path, so
-a scanner cannot grow the label set), request durations by route, requests in flight, and
-streams the client broke off. Not for: engine or cache metrics (``engine.metrics_text()``).
+For: one ``CollectorRegistry`` per app holding requests by route template, method and status
+(the template, not the raw path, so a scanner cannot grow the label set), request durations by
+route, requests in flight, streams the client broke off, ``prometheus_client``'s process,
+platform and GC collectors, and the engine itself (a custom collector: ``Engine.collect()``).
+``/metrics`` encodes it with the format the scraper's ``Accept`` header asks for (Prometheus
+text 0.0.4 or OpenMetrics). Not for: what the engine's families mean (``replaykv.engine.metrics``).
+
+One registry per app, never the global one, so several servers (tests, replicas embedded in
+one process) never collide. Each ``replaykv serve`` process is one engine and one registry:
+replicas are scraped one by one, which is why ``prometheus_client``'s multiprocess mode (many
+workers behind one port) is not used.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Iterator
 
-from replaykv.cache.metrics import Counter, Gauge, Histogram, LabeledCounter
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+
+from replaykv.engine.api import EngineAPI
+from replaykv.engine.cache_metrics import MetricDoc
+
+__all__ = ["DURATION_BUCKETS_S", "HTTP_METRICS", "ServerMetrics", "encode"]
 
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+HTTP_METRICS: list[MetricDoc] = [
+    MetricDoc("replaykv_http_requests_total", "counter", "HTTP requests by route template, method and status.",
+              ("route", "method", "status")),
+    MetricDoc("replaykv_http_request_duration_seconds", "histogram",
+              "Time from a request's arrival to the end of its response, by route template.", ("route",)),
+    MetricDoc("replaykv_http_requests_in_flight", "gauge", "HTTP requests being served now."),
+    MetricDoc("replaykv_http_client_disconnects_total", "counter",
+              "Requests cancelled because the client went away (their engine work was aborted)."),
+]  # fmt: skip
+_DOC = {d.name: d.help for d in HTTP_METRICS}
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
+class ServerMetrics:
+    """The app's registry: HTTP metrics (thread-safe; ``observe`` once per finished request),
+    the process, platform and GC collectors, and the engine."""
 
-class HttpMetrics:
-    """Thread-safe; `observe` is called once per finished HTTP request."""
-
-    def __init__(self) -> None:
-        self.requests = LabeledCounter()  # label: "route\tmethod\tstatus"
-        self.in_flight = Gauge()
-        self.disconnects = Counter()
-        self._lock = threading.Lock()
-        self._durations: dict[str, Histogram] = {}
+    def __init__(self, engine: EngineAPI | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "replaykv_http_requests", _DOC["replaykv_http_requests_total"], ["route", "method", "status"], registry=r
+        )
+        self.durations = Histogram(
+            "replaykv_http_request_duration_seconds", _DOC["replaykv_http_request_duration_seconds"], ["route"],
+            buckets=DURATION_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge("replaykv_http_requests_in_flight", _DOC["replaykv_http_requests_in_flight"], registry=r)
+        self.disconnects = Counter(
+            "replaykv_http_client_disconnects", _DOC["replaykv_http_client_disconnects_total"], registry=r
+        )
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
+        if engine is not None:
+            r.register(engine)
 
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
-        self.requests.inc(f"{route}\t{method}\t{status}")
-        with self._lock:
-            hist = self._durations.get(route)
-            if hist is None:
-                hist = self._durations[route] = Histogram(DURATION_BUCKETS_S)
-        hist.observe(seconds)
+        self.requests.labels(route, method, str(status)).inc()
+        self.durations.labels(route).observe(seconds)
 
-    def render(self) -> str:
-        lines = [
-            "# HELP replaykv_http_requests_total HTTP requests by route template, method and status.",
-            "# TYPE replaykv_http_requests_total counter",
-        ]
-        for key, n in self.requests.as_dict().items():
-            route, method, status = key.split("\t")
-            lines.append(
-                f'replaykv_http_requests_total{{route="{_label(route)}",method="{method}",status="{status}"}} {n}'
-            )
-        lines += [
-            "# HELP replaykv_http_request_duration_seconds Time to the end of the response, by route.",
-            "# TYPE replaykv_http_request_duration_seconds histogram",
-        ]
-        with self._lock:
-            durations = sorted(self._durations.items())
-        for route, hist in durations:
-            d = hist.as_dict()
-            r = _label(route)
-            for le, n in d["buckets_le"].items():  # type: ignore[attr-defined]
-                lines.append(f'replaykv_http_request_duration_seconds_bucket{{route="{r}",le="{le}"}} {n}')
-            lines.append(f'replaykv_http_request_duration_seconds_sum{{route="{r}"}} {d["sum"]}')
-            lines.append(f'replaykv_http_request_duration_seconds_count{{route="{r}"}} {d["count"]}')
-        lines += [
-            "# HELP replaykv_http_requests_in_flight HTTP requests being served.",
-            "# TYPE replaykv_http_requests_in_flight gauge",
-            f"replaykv_http_requests_in_flight {self.in_flight.value}",
-            "# HELP replaykv_http_client_disconnects_total Requests cancelled because the client went away.",
-            "# TYPE replaykv_http_client_disconnects_total counter",
-            f"replaykv_http_client_disconnects_total {self.disconnects.value}",
-        ]
-        return "\n".join(lines) + "\n"
+
+class _Only:
+    """The families of ``registry`` named in ``names`` (a family's name or any of its samples')."""
+
+    def __init__(self, registry: CollectorRegistry, names: list[str]) -> None:
+        self.registry, self.names = registry, set(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.name in self.names or any(s.name in self.names for s in family.samples):
+                yield family
+
+
+def encode(registry: CollectorRegistry, accept: str | None, names: list[str] | None = None) -> tuple[bytes, str]:
+    """``registry`` in the format ``accept`` asks for (body, content type); ``names`` keeps only
+    those families (the ``name[]`` query parameter of ``prometheus_client``'s own handler)."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(_Only(registry, names) if names else registry), content_type

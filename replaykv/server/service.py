@@ -31,7 +31,7 @@ from replaykv.engine.api import (
 from replaykv.server import schemas
 from replaykv.server.chat import ChatTemplate
 from replaykv.server.errors import CLIENT_GONE, ApiError
-from replaykv.server.metrics import HttpMetrics
+from replaykv.server.metrics import ServerMetrics
 from replaykv.server.settings import ServerSettings
 from replaykv.server.tenants import DEFAULT_TENANT, tenant_salt
 from replaykv.tokenizer import load_tokenizer
@@ -63,7 +63,7 @@ class Collected:
 class Service:
     """Engine, tokenizer, chat template, served name and HTTP counters of one app."""
 
-    def __init__(self, engine: EngineAPI, settings: ServerSettings, metrics: HttpMetrics) -> None:
+    def __init__(self, engine: EngineAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.tokenizer = load_tokenizer(settings.model_dir)
         self.template = ChatTemplate.load(settings.model_dir)

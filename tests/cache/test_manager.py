@@ -210,6 +210,9 @@ def test_stats_have_real_denominators(tmp_path: Path, clock: FakeClock, managers
     assert req["miss_tokens"] == 30 and req["hit_rate"] == pytest.approx(21 / 51)
     assert (store["requested_tokens"], store["hit_tokens"]) == (20 + 29, 21)
     assert (pool["lookups"], pool["found"], pool["loaded"]) == (1, 1, 1)
+    rows = min(21, m.layout.spec.sliding_window)  # the window rows the hit at 21 wants
+    assert (pool["requested_tokens"], pool["hit_tokens"], pool["loaded_tokens"]) == (rows, rows, rows)
+    assert pool["hit_rate"] == 1.0
     assert pool["age_at_hit_s"]["max"] == pytest.approx(12.0)
     assert pool["tier"]["hit_age_s"]["count"] == 1
     assert stats["writes"]["chunks"] == 3 and stats["writes"]["tails"] == 2

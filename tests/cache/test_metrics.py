@@ -41,17 +41,19 @@ def test_gauge_and_histogram() -> None:
     assert Histogram().as_dict()["mean"] is None
 
 
-def test_tier_metrics_ratios_and_check() -> None:
+def test_tier_metrics_counts_and_check() -> None:
     m = TierMetrics("t")
     m.record_hit(100, age_s=2.0)
     m.record_miss()
     m.record_put(True, 50)
     m.record_put(False, error="write:ENOSPC")
     d = m.as_dict()
-    assert d["hit_rate"] == 0.5 and d["put_success_rate"] == 0.5
+    assert (d["gets"], d["hits"], d["misses"]) == (2, 1, 1)
+    assert (d["puts"], d["puts_ok"], d["puts_failed"]) == (2, 1, 1)
+    assert "hit_rate" not in d  # operations carry no ratio: the ledger's hit rate is token-weighted
     assert d["errors"] == {"write:ENOSPC": 1} and d["bytes_written"] == 50 and d["bytes_read"] == 100
     m.check()
     m.hits.inc()  # break conservation on purpose
     with pytest.raises(AssertionError, match="gets"):
         m.check()
-    assert TierMetrics("empty").as_dict()["hit_rate"] is None
+    assert TierMetrics("empty").hit_age_s.as_dict()["mean"] is None

@@ -50,7 +50,7 @@ def test_queue_full_then_cancel_frees_slots() -> None:
         wait_until(lambda: engine.running() == 0)
         done = engine.generate(Request(tuple(prompt_of(3, 6)), SHORT))  # the slot is free again
         assert done.finish_reason == "length" and len(done.token_ids) == 2
-        assert 'replaykv_requests_rejected_total{reason="queue_full"} 1' in engine.metrics_text()
+        assert 'replaykv_requests_rejected_total{reason="queue_full"} 1.0' in engine.metrics_text()
     finally:
         engine.shutdown()
 

@@ -31,6 +31,6 @@ def test_damage_found_at_start_up_reaches_metrics(tmp_path: Path) -> None:
         lines = engine.metrics_text().splitlines()
     finally:
         engine.shutdown()
-    assert "replaykv_cache_store_tier_corrupt_batches 1" in lines
-    assert "replaykv_cache_store_tier_missing_packs 1" in lines
-    assert "replaykv_cache_store_tier_entries 16" in lines
+    assert "replaykv_cache_store_tier_corrupt_batches_total 1.0" in lines
+    assert "replaykv_cache_store_tier_missing_packs_total 1.0" in lines
+    assert "replaykv_cache_store_tier_entries 16.0" in lines

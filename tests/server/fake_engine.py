@@ -14,6 +14,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+
 from replaykv.engine.api import (
     Accounting,
     Delta,
@@ -151,12 +154,8 @@ class FakeEngine(EngineAPI):
         self.handles.append(handle)
         return handle
 
-    def metrics_text(self) -> str:
-        return (
-            "# HELP replaykv_fake_requests_total Requests the fake engine admitted.\n"
-            "# TYPE replaykv_fake_requests_total counter\n"
-            f"replaykv_fake_requests_total {len(self.requests)}\n"
-        )
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("replaykv_fake_requests", "Requests the fake engine admitted.", len(self.requests))
 
     def cache_stats(self) -> dict[str, Any]:
         return {"tenants": len(self.seen), "sequences": sum(len(v) for v in self.seen.values())}

@@ -15,6 +15,7 @@ from typing import Any
 import httpx2 as httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from replaykv.server.chat import BUILTIN_TEMPLATE
 from replaykv.server.settings import ServerSettings
@@ -336,23 +337,15 @@ def test_queue_full_is_429_with_retry_after(live: LiveServer, fake: FakeEngine) 
 
 # ---- metrics and disconnects ------------------------------------------------------------------
 
-_SAMPLE = re.compile(
-    r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*=\"([^\"\\\n]|\\.)*\",?)*\})? "
-    r"(-?[0-9.eE+-]+|\+Inf|-Inf|NaN)( -?[0-9]+)?$"
-)
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
-    """A strict reader of the text exposition format: every line a comment or a sample."""
+    """Samples by ``name{labels}`` (labels sorted by name) as prometheus_client's parser reads
+    them; it raises on anything the text format forbids."""
     assert text.endswith("\n")
     samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            assert not line or re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$", line), line
-            continue
-        assert _SAMPLE.match(line), f"not a Prometheus sample: {line!r}"
-        name, _, value = line.rpartition(" ")
-        samples[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
     return samples
 
 
@@ -360,9 +353,15 @@ def test_metrics(live: LiveServer) -> None:
     client(live).completions.create(model=MODEL, prompt="x", max_tokens=1)
     post(live, C, {"model": MODEL})
     samples = parse_prometheus(httpx.get(live.url + "/metrics").text)
-    assert samples['replaykv_http_requests_total{route="/v1/completions",method="POST",status="200"}'] >= 1
-    assert samples['replaykv_http_requests_total{route="/v1/completions",method="POST",status="400"}'] >= 1
-    assert "replaykv_fake_requests_total" in samples  # the engine's own text comes first
+    assert samples['replaykv_http_requests_total{method="POST",route="/v1/completions",status="200"}'] >= 1
+    assert samples['replaykv_http_requests_total{method="POST",route="/v1/completions",status="400"}'] >= 1
+    assert samples["replaykv_fake_requests_total"] >= 1  # the engine registered as a collector
+    assert samples["process_cpu_seconds_total"] > 0 and "python_info" in " ".join(samples)
+    openmetrics = httpx.get(live.url + "/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.endswith("# EOF\n")
+    only = httpx.get(live.url + "/metrics", params={"name[]": "replaykv_http_requests_in_flight"}).text
+    assert [f.name for f in text_string_to_metric_families(only)] == ["replaykv_http_requests_in_flight"]
 
 
 def test_disconnect_cancels_the_request(live: LiveServer, fake: FakeEngine) -> None:

@@ -113,7 +113,7 @@ def test_bounded_replay_after_a_pool_flush_and_streaming(tmp_path: Path, servers
     assert stats.status_code == 200 and stats.json()["caching"] is True
     samples = parse_prometheus(httpx.get(f"{live.url}/metrics").text)
     assert (
-        samples['replaykv_http_requests_total{route="/v1/chat/completions",method="POST",status="200"}'] >= 4
+        samples['replaykv_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}'] >= 4
     )
 
 
