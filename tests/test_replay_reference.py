@@ -27,6 +27,7 @@ from replaykv.model.spec import ModelSpec
 from replaykv.model.step import Selection
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import ReplayFlags
+from tests.engine.conftest import reference_greedy
 from tests.test_replay import S, W, ids_for, tiny_model
 
 TOL = 1e-5
@@ -79,6 +80,61 @@ def naive_bounded(model: DeepseekV41ForCausalLM, ids: list[int], cut: int, decod
         return out
 
 
+class NaiveConversation:
+    """The same reference over a whole conversation with decoder replay on: one cache view kept
+    across turns, each turn's SWA snapshot lost before the next, greedy decoding row by row.
+
+    Turn t has prompt P_t (the previous prompt, its output but the last token, new user tokens)
+    and continues after ``cut`` rows computed by the earlier turns (their global KV kept, as a
+    store would keep it; the windows overwritten with noise). Encoder layers: floor s =
+    max(0, cut − W) on the replay and on every decoded row; rows [s, cut) read-only. Decoder
+    layers: rows [d, P_t), d = max(0, P_t − W), then each decoded row, floor d. The first turn is
+    a cold prefill (cut 0, floor 0)."""
+
+    def __init__(self, model: DeepseekV41ForCausalLM, capacity: int) -> None:
+        cfg = model.config
+        self.model, self.window = model, cfg.sliding_window
+        self.encoder = range(cfg.decoder_cut + 1)
+        self.decoder = range(cfg.decoder_cut + 1, cfg.num_hidden_layers)
+        self.view = allocate_view(ModelSpec.from_config(cfg), 1, capacity, torch.device("cpu"), torch.float32)
+        self.rows = 0  # rows whose global KV the view holds
+        self.noise = torch.Generator().manual_seed(1)
+
+    def _at(self, position: int, floor: int) -> None:
+        self.view.positions = torch.tensor([position])
+        self.view.window_floor = torch.tensor([floor])
+
+    def _rows(self, ids: list[int], start: int, enc_floor: int, dec_start: int, global_from: int) -> torch.Tensor:
+        """Encoder over ids[start:], decoder over ids[dec_start:]: logits of the decoder's rows."""
+        m, n, x = self.model, len(ids), torch.tensor([ids])
+        selection = Selection()
+        self._at(start, enc_floor)
+        step = m.step(self.view, n - start, write_global=True, global_from=global_from)
+        state = m.run_layers(m.embed(x[:, start:]), self.encoder, step, self.view, selection)
+        self._at(dec_start, self.dec_floor)
+        step = m.step(self.view, n - dec_start, write_global=False)
+        rows = (dec_start - start, n - start)
+        state = m.run_layers(state.rows(*rows), self.decoder, step, self.view, selection.rows(*rows))
+        return m.head(state)[0]
+
+    def turn(self, prompt: list[int], cut: int, n_out: int) -> list[int]:
+        assert cut == self.rows, "the turn must continue where the last one ended"
+        with torch.no_grad():
+            if cut:
+                for layer in self.view.layers:
+                    layer.window.copy_(torch.randn(layer.window.shape, generator=self.noise) * 1e3)
+            s, p = max(0, cut - self.window), len(prompt)
+            self.dec_floor = max(0, p - self.window)
+            logits = self._rows(prompt, s, s, self.dec_floor, cut - s)
+            out = [int(logits[-1].argmax())]
+            ids = list(prompt)
+            while len(out) < n_out:
+                ids.append(out[-1])
+                out.append(int(self._rows(ids, len(ids) - 1, s, len(ids) - 1, 0)[-1].argmax()))
+        self.rows = len(ids)
+        return out
+
+
 @pytest.mark.parametrize("decoder", [False, True], ids=["decoder-replay-off", "decoder-replay-on"])
 @pytest.mark.parametrize("cut", [3, W, W + 1, 21, S - W - 1, S - 2])
 def test_bounded_replay_matches_the_naive_reference(
@@ -93,6 +149,14 @@ def test_bounded_replay_matches_the_naive_reference(
     rows = ~torch.isnan(want[:, 0])
     assert int(rows.sum()) == (S - cut if not decoder else min(S - cut, W))
     assert (got[rows] - want[rows]).abs().max().item() <= TOL
+
+
+def test_the_conversation_reference_starts_as_a_cold_greedy_run(model: DeepseekV41ForCausalLM) -> None:
+    """A check of the conversation reference: its first turn is the cold path with decoder
+    replay on, run through the project's own prefill and decode loop."""
+    ids = ids_for(9)
+    got = NaiveConversation(model, len(ids) + 6).turn(ids, 0, 6)
+    assert got == reference_greedy(model, ids, 6, decoder_replay=True)
 
 
 def test_the_reference_is_a_cold_prefill_only_without_a_floor(model: DeepseekV41ForCausalLM) -> None:

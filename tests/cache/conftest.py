@@ -93,8 +93,8 @@ class RedisServer:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A fresh ``redis-server --save "" --appendonly no`` on a free 127.0.0.1 port; killed after the test."""
-    if REDIS_BIN is None:
-        pytest.skip("redis-server binary not found on PATH (scripts/test.sh installs it)")
+    if REDIS_BIN is None:  # a declared test dependency: its absence fails, it never skips
+        pytest.fail("redis-server binary not found on PATH: `make test` (scripts/test.sh) installs it")
     last: Exception | None = None
     for _ in range(5):  # the free port can be taken between probe and bind
         server = RedisServer(REDIS_BIN, tmp_path, free_port())

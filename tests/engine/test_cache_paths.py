@@ -7,12 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from replaykv.engine import Engine, Request, Result, SamplingParams
-from replaykv.engine.scenario import score_after_cut
-from replaykv.replay import ReplayFlags
 from tests.engine.conftest import make_engine, prompt_of
+from tests.test_replay_reference import NaiveConversation
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 NEW_TOKENS = (19, 7, 6)  # user tokens added by each turn
@@ -62,8 +60,9 @@ def test_three_turns_hit_and_equal_cold(cached_engine: Engine, cold_engine: Engi
 
 
 def test_flushed_pool_takes_bounded_replay(tmp_path: Path) -> None:
-    """Encoder and decoder replay on: the replayed rows and the decoder tail run in pieces; the
-    first token of each turn is what the unchunked bounded plan (scenario.score_after_cut) picks."""
+    """Encoder and decoder replay on: the replayed rows and the decoder tail run in pieces, and
+    every token of every turn is what a naive layer-by-layer reference of the same conversation
+    (tests/test_replay_reference.py: one view across turns, each snapshot lost) picks."""
     engine = make_engine(
         tmp_path, enable_encoder_swa_bounded_replay=True, enable_decoder_swa_bounded_replay=True
     )
@@ -72,16 +71,19 @@ def test_flushed_pool_takes_bounded_replay(tmp_path: Path) -> None:
         results = converse(engine, seed=2, flush_pool=True, prompts=prompts)
     finally:
         engine.shutdown()
-    flags = ReplayFlags(enable_decoder_swa_bounded_replay=True)
-    for prompt, r in zip(prompts[1:], results[1:], strict=True):
+    reference = NaiveConversation(engine.model, len(prompts[-1]) + PARAMS.max_tokens)
+    cut = 0
+    for turn, (prompt, r) in enumerate(zip(prompts, results, strict=True)):
         acc = r.accounting
-        assert acc is not None and acc.path == "bounded" and not acc.snapshot_hit
-        assert acc.cached_tokens > 0 and acc.replayed_tokens == 8  # one window (W = 8) below the hit
-        assert any("snapshot" in reason for reason in acc.reasons)
-        assert len(r.token_ids) == 4
-        logits, plan = score_after_cut(engine.model, prompt, acc.cached_tokens, flags, keep_snapshot=False)
-        assert plan.path == "bounded" and torch.isfinite(logits[-1]).all()
-        assert r.token_ids[0] == int(logits[-1].argmax())
+        assert acc is not None and len(r.token_ids) == PARAMS.max_tokens
+        if turn:
+            assert acc.path == "bounded" and not acc.snapshot_hit
+            assert acc.replayed_tokens == 8  # one window (W = 8) below the hit
+            assert any("snapshot" in reason for reason in acc.reasons)
+            # the hit is everything the last turn computed: its prompt and its output but the last token
+            assert acc.cached_tokens == cut
+        assert r.token_ids == reference.turn(prompt, acc.cached_tokens, PARAMS.max_tokens), f"turn {turn}"
+        cut = len(prompt) + len(r.token_ids) - 1
 
 
 def test_tenants_do_not_share(cached_engine: Engine) -> None:
