@@ -693,11 +693,11 @@ class PackStore(LocalStore[_Entry]):
         if target is not None:
             stage, error = self._append(target, staged, now)
             with self._lock:
-                self._publishing.discard(target.pack_id)
                 self._reserved -= size
-                if error is None:
-                    self._install_locked(target, staged, now, size)
-                elif not target.keys:
+                if error is None:  # still publishing: replacing a key of this very pack must
+                    self._install_locked(target, staged, now, size)  # not remove the pack
+                self._publishing.discard(target.pack_id)
+                if error is not None and not target.keys:
                     self._remove_pack_locked(target)
             return stage, error, error is None
         pack_id = secrets.token_hex(16)

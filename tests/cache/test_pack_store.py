@@ -609,6 +609,21 @@ def test_batches_are_appended_to_a_pack_until_it_is_full(tmp_path: Path, clock: 
     assert PackStore(tmp_path, 64 * MiB, clock=clock).get(k(0)) == b"again"
 
 
+def test_rewriting_the_only_key_of_the_pack_being_appended_keeps_the_pack(tmp_path: Path, clock: FakeClock) -> None:
+    """A batch replaces the only key of the pack it is appended to: dropping the old version
+    empties the pack for a moment, which must not remove the pack the new version goes into."""
+    store = PackStore(tmp_path, 64 * MiB, clock=clock)
+    assert store.put(k(0), payload_for(0, 300))
+    clock.advance(1)
+    assert store.put(k(0), payload_for(1, 300))
+    store.check_integrity()
+    assert len(packs(tmp_path)) == 1 and store.stats()["packs"] == 1
+    assert store.get(k(0)) == payload_for(1, 300)
+    reopened = PackStore(tmp_path, 64 * MiB, clock=clock)
+    assert reopened.get(k(0)) == payload_for(1, 300)
+    reopened.check_integrity()
+
+
 def test_a_batch_cut_short_by_a_crash_stays_dead_bytes(tmp_path: Path, clock: FakeClock) -> None:
     batch = pack_size(5000, 5000)
     store = PackStore(tmp_path, 64 * MiB, clock=clock, pack_bytes=4 * batch)
