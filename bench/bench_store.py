@@ -38,7 +38,8 @@ from report import replace_section
 
 from replaykv.cache.pack_store import PACK_FORMAT_VERSION, PackStore
 from replaykv.cache.store import DEFAULT_IO_THREADS, STORE_FORMAT_VERSION, DirectoryStore
-from replaykv.cache.swa_pool import MemorySwaPool, RedisSwaPool
+from replaykv.cache.swa_pool import MemorySwaPool
+from replaykv.cache.swa_pool_redis import RedisSwaPool
 
 CHUNK_BYTES = 256 * 890  # one 256-token chunk of V4.1-Flash global KV (890 B/token)
 SNAPSHOT_BYTES = 40 * 128 * 528  # one V4.1-Flash SWA window snapshot (2,703,360 B)

@@ -2,8 +2,9 @@
 
 For: keeping one opaque snapshot (every layer's last-window entries at a prefix end, see
 §13.1 of the V4.1 reference) per prefix key for a few minutes, behind the small
-:class:`SwaPool` contract, in process memory (:class:`MemorySwaPool`) or in Redis
-(:class:`RedisSwaPool`), chosen by name with :func:`make_swa_pool`.
+:class:`SwaPool` contract, in process memory (:class:`MemorySwaPool`) or in Redis, one
+server or a cluster (``replaykv.cache.swa_pool_redis.RedisSwaPool``), chosen by name with
+:func:`make_swa_pool`. The frame every external value carries is defined here, once.
 
 Not for: the global KV (``cache/store.py``), serialising tensors (the caller hands in
 bytes), or deciding when to snapshot (``cache/manager.py``). A miss is always safe: the
@@ -28,9 +29,8 @@ from typing import Any
 import xxhash
 
 from replaykv.cache.faultlog import FaultLog
-from replaykv.cache.keys import KEY_BYTES, key_hex
+from replaykv.cache.keys import KEY_BYTES
 from replaykv.cache.metrics import TierMetrics
-from replaykv.cache.redis_url import redacted_url
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ __all__ = [
     "SNAPSHOT_MAGIC",
     "SWA_POOL_BACKENDS",
     "MemorySwaPool",
-    "RedisSwaPool",
     "SwaPool",
     "decode_snapshot_frame",
     "default_pool_capacity",
@@ -322,257 +321,14 @@ class MemorySwaPool(SwaPool):
             raise AssertionError(f"{len(bad_ttl)} entries with expiry not after put time")
 
 
-class RedisSwaPool(SwaPool):
-    """Redis (or Valkey) pool: one snapshot = one value written by ``SET key value EX/PX ttl``.
+def _backends() -> dict[str, type[SwaPool]]:
+    from replaykv.cache.swa_pool_redis import RedisSwaPool  # redis is imported only when used
 
-    Keys are ``<key_prefix>{<64-hex prefix key>}``: the hash tag makes Redis Cluster place
-    everything about one prefix key in one slot. Values carry :data:`SNAPSHOT_FRAME`, so a
-    torn, foreign or half-evicted value is a miss (and is unlinked). Every Redis error or
-    timeout becomes a counted miss or a failed put; after a connection error or timeout the
-    pool stops calling Redis for ``retry_after_s`` (each call is then an immediate miss) and
-    reconnects on the next call after that. Socket timeouts bound each call's waits
-    (``socket_timeout_s`` per read/write, ``connect_timeout_s`` per connect; one reconnect
-    retry on a dropped connection). ``clock`` stamps put times (wall time, shared with other
-    writers); ``circuit_clock`` times the pause after an error (monotonic).
-
-    ``bytes_resident``/``entries`` are not tracked (Redis evicts on its own); ``stats()``
-    adds ``used_memory`` and ``keys`` from Redis when it answers. Failures are logged with the
-    address: a warning when a kind starts, at most one a minute while it lasts, one when Redis
-    answers again; quarantined values likewise, with their Redis key.
-    """
-
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 6379,
-        db: int = 0,
-        password: str | None = None,
-        ttl_s: float = 300.0,
-        key_prefix: str = "replaykv:swa:",
-        socket_timeout_s: float = 0.2,
-        connect_timeout_s: float = 0.2,
-        retry_after_s: float = 1.0,
-        max_value_bytes: int = 512 * 1024 * 1024,
-        clock: Callable[[], float] = time.time,
-        circuit_clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        _check_ttl(ttl_s)
-        for name, value in (("socket_timeout_s", socket_timeout_s), ("connect_timeout_s", connect_timeout_s)):
-            if not 0 < value <= 60:
-                raise ValueError(f"{name} must be in (0, 60] seconds; got {value}")
-        if retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0; got {retry_after_s}")
-        if "{" in key_prefix or "}" in key_prefix:
-            raise ValueError("key_prefix must not contain '{' or '}' (the pool adds the hash tag itself)")
-        self.ttl_s = ttl_s
-        self.key_prefix = key_prefix
-        self.retry_after_s = retry_after_s
-        self.max_value_bytes = max_value_bytes
-        self._clock = clock
-        self._circuit_clock = circuit_clock
-        options: dict[str, Any] = dict(
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-            health_check_interval=0,
-            decode_responses=False,
-        )
-        if url is not None:
-            self._client = redis.Redis.from_url(url, **options)
-            self.address = redacted_url(url)  # logged and in stats: never the password
-        else:
-            self._client = redis.Redis(host=host, port=port, db=db, password=password, **options)
-            self.address = f"redis://{host}:{port}/{db}"
-        self._redis_errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-        self._unavailable: tuple[type[BaseException], ...] = (
-            redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError,
-            TimeoutError,
-            ConnectionError,
-        )
-        self._timeout_types: tuple[type[BaseException], ...] = (redis.exceptions.TimeoutError, TimeoutError)
-        self._down_until = 0.0
-        self._down_lock = threading.Lock()
-        self.metrics = TierMetrics("swa_pool_redis")
-        self._faults = FaultLog(log, f"Redis SWA pool at {self.address}", clock=circuit_clock)
-        self._bad_values = FaultLog(log, f"Redis SWA pool at {self.address}", clock=circuit_clock)
-
-    # ---------------------------------------------------------------- helpers
-    def redis_key(self, key: bytes) -> str:
-        """``<prefix>{<hex>}``: the Redis key of a prefix key."""
-        return f"{self.key_prefix}{{{key_hex(key)}}}"
-
-    def _available(self) -> bool:
-        return self._circuit_clock() >= self._down_until
-
-    def _classify(self, exc: BaseException) -> str:
-        """Count the error and open the circuit for connection trouble; returns its kind."""
-        if isinstance(exc, self._timeout_types):
-            kind = "timeout"
-        elif isinstance(exc, self._unavailable):
-            kind = "connection"
-        elif "OutOfMemory" in type(exc).__name__ or str(exc).startswith("OOM"):
-            kind = "oom"
-        else:
-            kind = type(exc).__name__
-        if kind in ("timeout", "connection"):
-            with self._down_lock:
-                self._down_until = self._circuit_clock() + self.retry_after_s
-        self.metrics.errors.inc(kind)
-        pause = f"; not calling it for {self.retry_after_s:g} s" if kind in ("timeout", "connection") else ""
-        self._faults.failed(kind, f"{kind} error ({exc}): snapshots are misses{pause}")
-        return kind
-
-    @property
-    def circuit_open(self) -> bool:
-        return not self._available()
-
-    # ---------------------------------------------------------------- contract
-    def put(self, key: bytes, payload: Payload, ttl_s: float | None = None) -> bool:
-        _check_key(key)
-        ttl = self.ttl_s if ttl_s is None else ttl_s
-        _check_ttl(ttl)
-        size = memoryview(payload).nbytes
-        if SNAPSHOT_FRAME.size + size > self.max_value_bytes:
-            self.metrics.record_put(False, error="too_large")
-            return False
-        if not self._available():
-            self.metrics.record_put(False, error="unavailable")
-            return False
-        value = encode_snapshot_frame(key, payload, self._clock(), ttl)
-        whole_seconds = float(ttl).is_integer()
-        try:
-            if whole_seconds:
-                ok = self._client.set(self.redis_key(key), value, ex=int(ttl))
-            else:
-                ok = self._client.set(self.redis_key(key), value, px=math.ceil(ttl * 1000))
-        except self._redis_errors as exc:
-            self.metrics.record_put(False)
-            self._classify(exc)
-            return False
-        self._faults.recovered()
-        if not ok:
-            self.metrics.record_put(False, error="not_set")
-            return False
-        self.metrics.record_put(True, size)
-        return True
-
-    def get(self, key: bytes) -> bytes | None:
-        _check_key(key)
-        if not self._available():
-            self.metrics.errors.inc("unavailable")
-            self.metrics.record_miss()
-            return None
-        rkey = self.redis_key(key)
-        try:
-            value = self._client.get(rkey)
-        except self._redis_errors as exc:
-            self._classify(exc)
-            self.metrics.record_miss()
-            return None
-        self._faults.recovered()
-        if value is None:
-            self.metrics.record_miss()
-            return None
-        decoded = decode_snapshot_frame(key, bytes(value))  # type: ignore[arg-type]
-        if isinstance(decoded, str):
-            self.metrics.quarantined.inc()
-            self.metrics.errors.inc(f"bad_value:{decoded}")
-            self._bad_values.failed(
-                f"bad_value:{decoded}", f"quarantined the value under {rkey} ({decoded}); unlinking it"
-            )
-            try:
-                self._client.unlink(rkey)
-            except self._redis_errors as exc:
-                self._classify(exc)
-            self.metrics.record_miss()
-            return None
-        age = self._clock() - decoded.put_time
-        if age >= decoded.ttl_s + 1.0:  # Redis should have expired it; clocks may differ by ~1 s
-            self.metrics.expirations.inc()
-            self.metrics.record_miss()
-            return None
-        self.metrics.record_hit(len(decoded.payload), age_s=age)
-        return decoded.payload
-
-    def contains(self, key: bytes) -> bool:
-        _check_key(key)
-        if not self._available():
-            return False
-        try:
-            return bool(self._client.exists(self.redis_key(key)))
-        except self._redis_errors as exc:
-            self._classify(exc)
-            return False
-
-    def delete(self, key: bytes) -> bool:
-        _check_key(key)
-        if not self._available():
-            return False
-        try:
-            gone = bool(self._client.unlink(self.redis_key(key)))
-        except self._redis_errors as exc:
-            self._classify(exc)
-            return False
-        if gone:
-            self.metrics.deletes.inc()
-        return gone
-
-    def flush(self) -> None:
-        """Unlink every key under this pool's prefix (SCAN + UNLINK; other keys are untouched)."""
-        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.key_prefix) + "*"
-        try:
-            batch: list[bytes] = []
-            for rkey in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(rkey)
-                if len(batch) >= 1000:
-                    self._client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                self._client.unlink(*batch)
-        except self._redis_errors as exc:
-            self._classify(exc)
-
-    def ping(self) -> bool:
-        """``True`` if Redis answers now (ignores and resets the circuit)."""
-        try:
-            ok = bool(self._client.ping())
-        except self._redis_errors as exc:
-            self._classify(exc)
-            return False
-        self._faults.recovered()
-        with self._down_lock:
-            self._down_until = 0.0
-        return ok
-
-    def stats(self) -> dict[str, object]:
-        out = self.metrics.as_dict()
-        out.update(backend="redis", address=self.address, ttl_s=self.ttl_s, circuit_open=self.circuit_open)
-        if self._available():
-            try:
-                info: Any = self._client.info("memory")
-                out.update(
-                    used_memory=int(info.get("used_memory", 0)), maxmemory=int(info.get("maxmemory", 0))
-                )
-                out.update(keys=int(self._client.dbsize()))
-            except self._redis_errors as exc:
-                self._classify(exc)
-        return out
-
-    def check_integrity(self) -> None:
-        self.metrics.check()
-
-    def close(self) -> None:
-        self._client.close()
+    return {"memory": MemorySwaPool, "redis": RedisSwaPool}
 
 
-SWA_POOL_BACKENDS: dict[str, type[SwaPool]] = {"memory": MemorySwaPool, "redis": RedisSwaPool}
+SWA_POOL_BACKENDS: tuple[str, ...] = ("memory", "redis")
+"""The pool backends by name (``redis``: one server, or a Redis Cluster with ``cluster=True``)."""
 
 
 def make_swa_pool(name: str, **kwargs: Any) -> SwaPool:
@@ -581,7 +337,7 @@ def make_swa_pool(name: str, **kwargs: Any) -> SwaPool:
     Raises ``ValueError`` naming the choices for an unknown backend, or the accepted
     arguments for an unknown keyword.
     """
-    cls = SWA_POOL_BACKENDS.get(name)
+    cls = _backends().get(name) if name in SWA_POOL_BACKENDS else None
     if cls is None:
         choices = ", ".join(sorted(SWA_POOL_BACKENDS))
         raise ValueError(f"unknown SWA pool backend {name!r}; choose one of: {choices}")

@@ -47,7 +47,8 @@ class EngineConfig:
     Replay: the ReplayFlags fields; ``speculative_decoding`` only exists for the start-up guard
     (the engine does not speculate) and is refused together with encoder bounded replay.
 
-    Caches: ``swa_pool`` "memory" | "redis" | None (off) with ``redis_url``, ``swa_pool_ttl_s``
+    Caches: ``swa_pool`` "memory" | "redis" | None (off) with ``redis_url`` (``redis_cluster``: it
+    names a Redis Cluster; a comma-separated list of seed nodes implies it), ``swa_pool_ttl_s``
     and ``swa_pool_capacity_bytes`` (memory pool; None = 10% of host memory); ``store_dir`` (None
     disables the persistent store) with ``store_format`` ("pack": a file per written batch,
     "file": a file per entry; None: what the directory holds, else "pack"),
@@ -83,6 +84,7 @@ class EngineConfig:
     # caches
     swa_pool: str | None = "memory"
     redis_url: str | None = None
+    redis_cluster: bool = False
     swa_pool_ttl_s: float = 300.0
     swa_pool_capacity_bytes: int | None = None
     store_dir: str | None = field(default_factory=default_store_dir)
@@ -134,6 +136,8 @@ class EngineConfig:
             )
         if self.swa_pool == "redis" and not self.redis_url:
             raise ValueError("swa_pool 'redis' needs redis_url (e.g. redis://127.0.0.1:6379/0)")
+        if self.redis_cluster and self.swa_pool != "redis":
+            raise ValueError(f"redis_cluster needs swa_pool 'redis'; got swa_pool {self.swa_pool!r}")
         if not self.swa_pool_ttl_s > 0:
             raise ValueError(f"swa_pool_ttl_s must be > 0 seconds; got {self.swa_pool_ttl_s}")
         if self.swa_pool_capacity_bytes is not None and self.swa_pool_capacity_bytes <= 0:

@@ -378,7 +378,9 @@ class Engine(EngineAPI):
                 "memory", capacity_bytes=cfg.swa_pool_capacity_bytes, ttl_s=cfg.swa_pool_ttl_s
             )
         elif cfg.swa_pool == "redis":
-            swa_pool = make_swa_pool("redis", url=cfg.redis_url, ttl_s=cfg.swa_pool_ttl_s)
+            swa_pool = make_swa_pool(
+                "redis", url=cfg.redis_url, ttl_s=cfg.swa_pool_ttl_s, cluster=cfg.redis_cluster
+            )
         store = None
         if cfg.store_dir is not None:
             store = make_store(

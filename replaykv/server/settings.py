@@ -155,7 +155,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("swa_miss_strategy", _to_str, "bounded", "how a window-snapshot miss is rebuilt", choices=MISS_STRATEGIES),
     Option("replay_span", _to_int, None, "W of bounded replay in tokens (default: the model's window)"),
     Option("swa_pool", _to_str, None, "where window snapshots live ('off': nowhere)", choices=("memory", "redis", "off"), engine=True),
-    Option("redis_url", _to_str, None, "Redis URL of --swa-pool redis, e.g. redis://127.0.0.1:6379/0", engine=True),
+    Option("redis_url", _to_str, None, "Redis URL of --swa-pool redis, e.g. redis://127.0.0.1:6379/0; a comma-separated list of seed nodes is a Redis Cluster", engine=True),
+    Option("redis_cluster", _to_bool, None, "--redis-url names a Redis Cluster (any one node of it is enough as a seed)", engine=True),
     Option("swa_pool_ttl", _to_float, None, "seconds a window snapshot stays in the pool", engine=True),
     Option("cache_dir", _to_str, None, "directory of the persistent global-KV store ('off': no store)", engine=True),
     Option("store_capacity", parse_capacity, None, "bound on the store's bytes: with units (500GB, 2GiB) or a share of its file system (0.5, 50%%); default 16 GiB; on a full disk the oldest-used packs are evicted and the write retried once", metavar="SIZE", engine=True),
@@ -317,10 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
             default = getattr(engine_defaults, ENGINE_FIELDS.get(opt.name, opt.name))
         shown = "" if "default" in opt.help else f"; default {'none' if default is None else default}"
         text = f"{opt.help} (env {opt.env}{shown})"
-        if opt.is_bool:
+        if opt.is_bool and opt.name.startswith("enable_"):
             stem = opt.name.removeprefix("enable_").replace("_", "-")
             p.add_argument(f"--enable-{stem}", dest=opt.name, action="store_const", const=True, help=text)
             p.add_argument(f"--disable-{stem}", dest=opt.name, action="store_const", const=False)
+        elif opt.is_bool:
+            p.add_argument(opt.flag, dest=opt.name, action="store_const", const=True, help=text)
+            p.add_argument(f"--no-{opt.flag[2:]}", dest=opt.name, action="store_const", const=False)
         elif opt.name == "api_key":
             p.add_argument(opt.flag, dest=opt.name, action="append", metavar=opt.metavar, help=text)
         else:

@@ -38,7 +38,8 @@ from replaykv.cache.manager import (
 )
 from replaykv.cache.pack_store import PackStore
 from replaykv.cache.store import DirectoryStore, EntryMeta
-from replaykv.cache.swa_pool import MemorySwaPool, RedisSwaPool, SwaPool
+from replaykv.cache.swa_pool import MemorySwaPool, SwaPool
+from replaykv.cache.swa_pool_redis import RedisSwaPool
 from replaykv.cache.views import advance, allocate_view
 from replaykv.model.cache_view import CacheView
 from replaykv.model.init import init_weights

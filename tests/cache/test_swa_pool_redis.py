@@ -12,7 +12,8 @@ import pytest
 
 from replaykv.cache.keys import prefix_key
 from replaykv.cache.redis_url import redacted_url
-from replaykv.cache.swa_pool import SNAPSHOT_FRAME, RedisSwaPool, encode_snapshot_frame, make_swa_pool
+from replaykv.cache.swa_pool import SNAPSHOT_FRAME, encode_snapshot_frame, make_swa_pool
+from replaykv.cache.swa_pool_redis import RedisSwaPool
 from tests.cache.conftest import FakeClock, RedisServer, make_namespace
 
 pytestmark = pytest.mark.redis
