@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from report import replace_section
 
+from replaykv.cache.file_store import DEFAULT_IO_THREADS, DirectoryStore
 from replaykv.cache.pack_store import PACK_FORMAT_VERSION, PackStore
-from replaykv.cache.store import DEFAULT_IO_THREADS, STORE_FORMAT_VERSION, DirectoryStore
+from replaykv.cache.store import STORE_FORMAT_VERSION
 from replaykv.cache.swa_pool import MemorySwaPool
 from replaykv.cache.swa_pool_redis import RedisSwaPool
 

@@ -1,7 +1,7 @@
 """Small POSIX file helpers shared by the persistent stores: whole writes and reads, directory
 fsync, error names, and the orphan test for temp files a crashed writer left behind.
 
-Not for: any layout or policy (see ``cache/store.py`` and ``cache/pack_store.py``).
+Not for: any layout or policy (see ``cache/file_store.py`` and ``cache/pack_store.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ tombstones, and the readers that check them (the start-up scan's batch walk).
 
 For: :mod:`replaykv.cache.pack_store` (which owns the files, the index and every policy) and tests
 or tools that look inside a pack. Not for: writing packs, choosing what to keep, or the
-file-per-entry layout (``cache/store.py``). See ``pack_store``'s module docstring for the layout
+file-per-entry layout (``cache/file_store.py``). See ``pack_store``'s module docstring for the layout
 of a store directory.
 """
 

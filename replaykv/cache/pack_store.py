@@ -1,7 +1,7 @@
 """Ledger 3 in pack files: the persistent global-KV store that writes each batch in one piece.
 
 For: the same :class:`~replaykv.cache.store.GlobalKVStore` contract as
-:class:`~replaykv.cache.store.DirectoryStore`, for stores that hold many small chunks. A
+:class:`~replaykv.cache.file_store.DirectoryStore`, for stores that hold many small chunks. A
 ``put_many`` batch (a request's new chunks) is written in one piece, with one ``fsync``: appended
 to the newest *pack* while that stays under ``pack_bytes`` (64 MiB by default, at most 1/16 of
 the capacity), else as a new pack (temp file, ``fsync``, rename, directory ``fsync``). A file per

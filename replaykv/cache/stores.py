@@ -2,7 +2,7 @@
 
 For: entry points (engine, ``replaykv store``) that get a directory and maybe a format name:
 ``pack`` (:class:`~replaykv.cache.pack_store.PackStore`, a file per written batch; the default
-for a new directory) or ``file`` (:class:`~replaykv.cache.store.DirectoryStore`, a file per
+for a new directory) or ``file`` (:class:`~replaykv.cache.file_store.DirectoryStore`, a file per
 entry). A directory is recognised by its top-level folder (``packs/`` or ``entries/``). Also the
 ``--store-capacity`` syntax: bytes with units, or a share of the store's file system.
 Not for: the stores themselves.
@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from replaykv.cache.file_store import DirectoryStore
 from replaykv.cache.pack_store import PackStore
-from replaykv.cache.store import DirectoryStore
 
 __all__ = ["STORE_FORMATS", "capacity_bytes", "detect_format", "make_store", "parse_capacity"]
 

@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import replaykv.cache.manager as manager_module
 from replaykv.cache.device_pool import DevicePool
+from replaykv.cache.file_store import DirectoryStore
 from replaykv.cache.keys import chunk_keys, prefix_key
 from replaykv.cache.layout import CacheLayout, extract_snapshot
 from replaykv.cache.manager import (
@@ -37,7 +38,7 @@ from replaykv.cache.manager import (
     tail_store_key,
 )
 from replaykv.cache.pack_store import PackStore
-from replaykv.cache.store import DirectoryStore, EntryMeta
+from replaykv.cache.store import EntryMeta
 from replaykv.cache.swa_pool import MemorySwaPool, SwaPool
 from replaykv.cache.swa_pool_redis import RedisSwaPool
 from replaykv.cache.views import advance, allocate_view

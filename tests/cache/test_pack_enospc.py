@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from replaykv.cache.file_store import DirectoryStore
 from replaykv.cache.pack_store import PackStore
-from replaykv.cache.store import DirectoryStore
 from tests.cache.conftest import FakeClock
 from tests.cache.test_store import k, payload_for
 

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+import replaykv.cache.file_store as file_store_mod
 import replaykv.cache.store as store_mod
+from replaykv.cache.file_store import DirectoryStore
 from replaykv.cache.keys import chunk_keys, key_hex
-from replaykv.cache.store import STORE_HEADER, DirectoryStore, EntryMeta, GlobalKVStore
+from replaykv.cache.store import STORE_HEADER, EntryMeta, GlobalKVStore
 from tests.cache.conftest import FakeClock, make_namespace
 
 HDR = STORE_HEADER.size
@@ -703,7 +705,7 @@ def test_prefetch_is_only_a_hint(
 
 _BATCH_WRITER = r"""
 import hashlib, os, sys, time
-from replaykv.cache.store import DirectoryStore
+from replaykv.cache.file_store import DirectoryStore
 from tests.cache.test_store_crash import _expected, _key
 
 root, start, stall = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "stall"
@@ -756,7 +758,7 @@ def test_reads_survive_short_preads_and_huge_files(tmp_path: Path, monkeypatch: 
     real_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: real_pread(fd, min(n, 4096), off))
     assert store.get(k(1)) == data
-    monkeypatch.setattr(store_mod, "_PAYLOAD_FIRST_MAX", 1000)  # header first, then the payload
+    monkeypatch.setattr(file_store_mod, "_PAYLOAD_FIRST_MAX", 1000)  # header first, then the payload
     assert store.get(k(1)) == data
     path = entry_path(tmp_path, k(2))
     raw = bytearray(path.read_bytes())

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from replaykv.cache.file_store import DirectoryStore
 from replaykv.cache.keys import key_hex
 from replaykv.cache.pack_store import PACK_RECORD, PackStore
-from replaykv.cache.store import STORE_HEADER, DirectoryStore
+from replaykv.cache.store import STORE_HEADER
 from replaykv.cache.store_cli import main
 from replaykv.cache.stores import make_store
 from tests.cache.conftest import FakeClock

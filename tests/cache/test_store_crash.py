@@ -14,14 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from replaykv.cache.store import DirectoryStore
+from replaykv.cache.file_store import DirectoryStore
 
 REPO = Path(__file__).resolve().parents[2]
 
 # The child writes entries i = start, start+1, ... forever; key and payload both follow from i.
 _WRITER = r"""
 import hashlib, os, sys, time
-from replaykv.cache.store import DirectoryStore
+from replaykv.cache.file_store import DirectoryStore
 
 root, start, stall = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "stall"
 if stall:  # hang inside the first temp-file fsync so the kill lands mid-publish for sure
