@@ -140,9 +140,25 @@ class DirectoryStore(LocalStore[_Entry]):
             its directories) concurrently; 1 does everything on the calling thread. Started on
             the first batch of two or more entries; :meth:`close` stops them.
 
+        shared: other processes (replicas on one shared file system) write this directory too.
+            A key missing from the index is then looked up on disk (one ``stat``) and adopted
+            when another process has published it since, and an entry is expired only when its
+            file's mtime, which every process refreshes on access, is past the retention too.
+
     Start-up scans ``entries/`` to rebuild the index (size and last access from ``stat``),
     quarantines files shorter than a header and sweeps orphaned temp files. It does not evict;
     call :meth:`gc` to apply a lowered capacity or the retention.
+
+    Several processes on one directory (``shared``): publication is a rename, so a reader sees
+    an entry whole or not at all, and two writers of one key each rename a complete file (the
+    content of a key is the same whoever computes it; the last rename wins). A reader that has
+    opened a file keeps reading it when another process evicts, replaces or quarantines it
+    (POSIX unlink / rename semantics; NFS keeps an open file with its "silly rename"); one that
+    has not yet opened it gets a miss, counted ``read:vanished``. Quarantine moves the file out
+    of ``entries/``, so every process stops serving it at its next read. A crashed writer
+    leaves at most temp files, swept by any process once their writer is gone (same host) or
+    older than ``orphan_grace_s``. Capacity is counted per process over the entries it indexed
+    (its own and those it adopted): give each process its share.
     """
 
     def __init__(
@@ -155,9 +171,12 @@ class DirectoryStore(LocalStore[_Entry]):
         read_only: bool = False,
         orphan_grace_s: float = 3600.0,
         io_threads: int = DEFAULT_IO_THREADS,
+        shared: bool = False,
     ) -> None:
         super().__init__(root, capacity_bytes, retention_s, clock, read_only, orphan_grace_s, "entries")
         self.io_threads = max(1, io_threads)
+        self.shared = shared
+        self.adopted = 0  # entries another process published, found on disk at a lookup
         self._entries_dir = self._data_dir
         self._entries_str = str(self._entries_dir)
         # Lock order: a key stripe, then _lock. _lock guards the index, gauges and reservations.
@@ -259,6 +278,43 @@ class DirectoryStore(LocalStore[_Entry]):
             self.metrics.bytes_resident.dec(entry.size)
             self.metrics.entries.dec()
         return entry
+
+    def _adopt(self, key: bytes) -> bool:
+        """Index ``key`` if another process has published its file since (``shared`` only);
+        whether the index holds it now."""
+        try:
+            st = os.stat(self._path_for(key))
+        except OSError:
+            return False
+        if st.st_size < STORE_HEADER.size:
+            return False  # a get would quarantine it; it is no entry to adopt
+        now = self._clock()
+        with self._lock:
+            if key in self._index:
+                return True
+            if key in self._publishing:  # this process's own put of it is in flight
+                return False
+            entry = _Entry(size=st.st_size, last_access=now, disk_access=st.st_mtime)
+            if self._expired(_Entry(size=st.st_size, last_access=st.st_mtime), now):
+                return False
+            self._index[key] = entry
+            self.metrics.bytes_resident.inc(st.st_size)
+            self.metrics.entries.inc()
+            self.adopted += 1
+        return True
+
+    def _expired_on_disk(self, key: bytes, now: float) -> bool:
+        """For a shared directory: whether the file's mtime (refreshed by any process's access)
+        is past the retention too; a file already gone counts as expired."""
+        if not self.shared or self.retention_s is None:
+            return True
+        try:
+            return now - os.stat(self._path_for(key)).st_mtime > self.retention_s
+        except OSError:
+            return True
+
+    def contains(self, key: bytes) -> bool:
+        return super().contains(key) or (self.shared and self._adopt(key))
 
     def _remove_file(self, key: bytes) -> None:
         try:
@@ -531,9 +587,14 @@ class DirectoryStore(LocalStore[_Entry]):
     def get(self, key: bytes) -> bytes | None:
         """The verified payload, or ``None`` (miss, expired, unreadable, or corrupt → quarantined)."""
         self._check_key(key)
+        if self.shared and key not in self._index:
+            self._adopt(key)
         now = self._clock()
         with self._lock:
             entry = self._index.get(key)
+            if entry is not None and self._expired(entry, now) and not self._expired_on_disk(key, now):
+                entry.last_access = now  # another process used it within the retention
+                self._index.move_to_end(key)
             if entry is not None:
                 if self._expired(entry, now):
                     self._drop_locked(key)
@@ -710,7 +771,9 @@ class DirectoryStore(LocalStore[_Entry]):
         now = self._clock()
         with self._lock:
             expired = [
-                k for k, e in self._index.items() if k not in self._publishing and self._expired(e, now)
+                k
+                for k, e in self._index.items()
+                if k not in self._publishing and self._expired(e, now) and self._expired_on_disk(k, now)
             ]
             for key in expired:
                 entry = self._drop_locked(key)
@@ -774,6 +837,8 @@ class DirectoryStore(LocalStore[_Entry]):
         with self._lock:
             out.update(
                 root=str(self.root),
+                shared=self.shared,
+                adopted=self.adopted,
                 capacity_bytes=self.capacity_bytes,
                 retention_s=self.retention_s,
                 reserved_bytes=self._reserved,

@@ -35,11 +35,14 @@ def detect_format(root: str | os.PathLike[str]) -> str | None:
 
 
 def make_store(
-    fmt: str | None, root: str | os.PathLike[str], capacity_bytes: int, **kwargs: Any
+    fmt: str | None, root: str | os.PathLike[str], capacity_bytes: int, *, shared: bool = False, **kwargs: Any
 ) -> PackStore | DirectoryStore:
     """Open (or create) the store at ``root``. ``fmt`` None: the format already there, or ``pack``
-    for a new directory. A format that differs from the one on disk is refused (``ValueError``),
-    so a store is never silently shadowed by an empty one of the other kind."""
+    for a new directory (``file`` when ``shared``). A format that differs from the one on disk is
+    refused (``ValueError``), so a store is never silently shadowed by an empty one of the other
+    kind. ``shared``: other processes write the directory too, which only the ``file`` format
+    supports (an entry is one file: published by a rename, found by a ``stat``); a pack holds
+    many entries and other processes would see them only by rescanning."""
     if fmt is not None and fmt not in STORE_FORMATS:
         raise ValueError(f"store format must be one of {STORE_FORMATS}; got {fmt!r}")
     on_disk = detect_format(root)
@@ -47,10 +50,15 @@ def make_store(
         raise ValueError(
             f"{root} holds a {on_disk!r} store ({_MARKERS[on_disk]}/); open it as {on_disk!r} or use another directory"
         )
-    chosen = fmt or on_disk or "pack"
+    chosen = fmt or on_disk or ("file" if shared else "pack")
+    if shared and chosen != "file":
+        raise ValueError(
+            f"a store shared by several processes uses the 'file' format; {root} would be {chosen!r} "
+            "(use --store-format file with a new directory)"
+        )
     if chosen == "pack":
         return PackStore(root, capacity_bytes, **kwargs)
-    return DirectoryStore(root, capacity_bytes, **kwargs)
+    return DirectoryStore(root, capacity_bytes, shared=shared, **kwargs)
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

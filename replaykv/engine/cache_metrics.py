@@ -169,6 +169,8 @@ _STORE_EXTRA = [
     StatMetric((*_STORE, "missing_packs"), _C + "store_tier_missing_packs", "counter", "Packs an index lists that are not on disk."),
     StatMetric((*_STORE, "oldest_access"), _C + "store_tier_oldest_access_timestamp_seconds", "gauge", "Unix time of the least recently used entry's last access."),
     StatMetric((*_STORE, "newest_access"), _C + "store_tier_newest_access_timestamp_seconds", "gauge", "Unix time of the most recent access to any entry."),
+    StatMetric((*_STORE, "shared"), _C + "store_tier_shared", "gauge", "Whether other processes write this store too (--store-shared: 1)."),
+    StatMetric((*_STORE, "adopted"), _C + "store_tier_adopted", "counter", "Entries another process published, found on disk at a lookup (--store-shared)."),
     StatMetric((*_STORE, "quarantine_files"), _C + "store_tier_quarantine_files", "gauge", "Files in the store's quarantine folder."),
     StatMetric((*_STORE, "orphans_swept"), _C + "store_tier_orphans_swept", "counter", "Temporary files of crashed writers removed."),
     StatMetric((*_STORE, "temp_files_seen"), _C + "store_tier_temp_files_seen", "counter", "Temporary files found by scans (removed once past their grace period)."),

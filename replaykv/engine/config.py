@@ -51,7 +51,8 @@ class EngineConfig:
     names a Redis Cluster; a comma-separated list of seed nodes implies it), ``swa_pool_ttl_s``
     and ``swa_pool_capacity_bytes`` (memory pool; None = 10% of host memory); ``store_dir`` (None
     disables the persistent store) with ``store_format`` ("pack": a file per written batch,
-    "file": a file per entry; None: what the directory holds, else "pack"),
+    "file": a file per entry; None: what the directory holds, else "pack"), ``store_shared``
+    (other processes write the directory too: the "file" format, entries adopted from disk),
     ``store_capacity_bytes`` and ``store_retention_s``;
     ``device_pool_bytes`` (0 disables the device pool); ``chunk_size`` tokens per global-KV chunk
     (a multiple of every compression ratio); ``write_policy`` "v41" (snapshots only in the SWA
@@ -89,6 +90,7 @@ class EngineConfig:
     swa_pool_capacity_bytes: int | None = None
     store_dir: str | None = field(default_factory=default_store_dir)
     store_format: str | None = None
+    store_shared: bool = False
     store_capacity_bytes: int = 16 << 30
     store_retention_s: float | None = 72 * 3600.0
     device_pool_bytes: int = 256 << 20

@@ -384,7 +384,11 @@ class Engine(EngineAPI):
         store = None
         if cfg.store_dir is not None:
             store = make_store(
-                cfg.store_format, cfg.store_dir, cfg.store_capacity_bytes, retention_s=cfg.store_retention_s
+                cfg.store_format,
+                cfg.store_dir,
+                cfg.store_capacity_bytes,
+                retention_s=cfg.store_retention_s,
+                shared=cfg.store_shared,
             )
         return CacheManager(
             self.spec,

@@ -161,6 +161,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_dir", _to_str, None, "directory of the persistent global-KV store ('off': no store)", engine=True),
     Option("store_capacity", parse_capacity, None, "bound on the store's bytes: with units (500GB, 2GiB) or a share of its file system (0.5, 50%%); default 16 GiB; on a full disk the oldest-used packs are evicted and the write retried once", metavar="SIZE", engine=True),
     Option("store_format", _to_str, None, "layout of a new store: 'pack' (a file per written batch, the default) or 'file' (a file per entry); an existing store keeps its own", choices=STORE_FORMATS, engine=True),
+    Option("store_shared", _to_bool, None, "other replaykv processes (replicas on one shared file system) write --cache-dir too: the 'file' format, entries they publish found on disk", engine=True),
     Option("context_length", _to_int, None, "tokens per request, prompt + generated", engine=True),
     Option("max_running_requests", _to_int, None, "requests decoded together", engine=True),
     Option("max_queued_requests", _to_int, None, "waiting requests before 429", engine=True),
