@@ -57,6 +57,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    no_stop_trim: bool = False  # keep the stop token or string that ended the output in it
     logprobs: int | None = None  # None: none; k >= 0: each emitted token's logprob + the k most likely
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability (0 = off)
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (1 = off)

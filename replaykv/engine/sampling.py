@@ -187,14 +187,20 @@ class OutputStream:
         if self.finish_reason is not None:
             raise RuntimeError("the request already finished")
         self.sampled.append(token)
+        keep = self.params.no_stop_trim  # the stop token or string stays in the output
         if token in self._stop_ids:
-            return (), self._emit(self._full_text(), final=True), self._finish("stop")
+            if not keep:
+                return (), self._emit(self._full_text(), final=True), self._finish("stop")
+            self.token_ids.append(token)
+            return (token,), self._emit(self._full_text(), final=True), self._finish("stop")
         self.token_ids.append(token)
         full = self._full_text()
         if self.params.stop:
-            cut = self._find_stop(full)
-            if cut is not None:
-                return (token,), self._emit(full[:cut], final=True), self._finish("stop")
+            found = self._find_stop(full)
+            if found is not None:
+                cut, length = found
+                end = cut + length if keep else cut
+                return (token,), self._emit(full[:end], final=True), self._finish("stop")
         if len(self.sampled) >= self.params.max_tokens:
             return (token,), self._emit(full, final=True), self._finish("length")
         return (token,), self._emit(full, final=False), None
@@ -206,10 +212,14 @@ class OutputStream:
         self.finish_reason = reason
         return reason
 
-    def _find_stop(self, full: str) -> int | None:
+    def _find_stop(self, full: str) -> tuple[int, int] | None:
+        """(where the first stop string starts, its length): the earliest, the longest there."""
         start = max(0, len(self.text) - self._max_stop)
-        hits = [i for i in (full.find(s, start) for s in self.params.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, -len(s)) for s in self.params.stop if (i := full.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, neg = min(hits)
+        return at, -neg
 
     def _emit(self, full: str, final: bool) -> str:
         end = len(full)

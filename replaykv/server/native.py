@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("replaykv.server")
 
-AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize", "/get_model_info", "/get_server_info"})
+AUTHENTICATED_PATHS = frozenset(
+    {"/tokenize", "/detokenize", "/get_model_info", "/get_server_info", "/model_info", "/server_info"}
+)
 """Native paths that need an API key when keys are configured (the others are open)."""
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -72,6 +74,7 @@ def add_native_routes(app: FastAPI, svc: Service, server_args: Mapping[str, Any]
         return {"version": replaykv.__version__}
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # the newer name, which sgl-router asks for
     async def model_info() -> dict[str, Any]:
         return {
             "model_path": svc.settings.model_dir,
@@ -83,6 +86,7 @@ def add_native_routes(app: FastAPI, svc: Service, server_args: Mapping[str, Any]
         }
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         # the served values last: the settings hold None where the engine chose (e.g. the name)
         return {**server_args, "version": replaykv.__version__, "served_model_name": svc.model_name,

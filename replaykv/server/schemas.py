@@ -17,6 +17,12 @@ unique (bytes that are not ASCII read ``bytes:\\xNN``, specials by name).
 ``cache_salt`` (and ``salt``, ``tenant``) is refused: the server derives the cache salt from
 the API key, so a client can never pick another tenant's.
 
+SGLang's extensions, which its router (sgl-router) forwards with every request:
+``no_stop_trim`` (served: the stop token or string stays in the output), ``skip_special_tokens``
+and ``spaces_between_special_tokens`` (true only), ``return_hidden_states`` (false only); in
+chat, ``separate_reasoning`` and ``stream_reasoning`` (no reasoning parser runs, so they change
+nothing), ``continue_final_message`` (false only) and ``chat_template_kwargs`` (empty only).
+
 Extensions beyond OpenAI (vLLM's names): ``top_k`` (0 or -1 = off), ``ignore_eos``,
 ``stop_token_ids`` (token ids that end the request, beside end-of-text) and ``return_token_ids`` (the response then carries ``prompt_token_ids`` and each choice, or each
 streamed chunk, its ``token_ids``). Each response's
@@ -102,6 +108,25 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     return_token_ids: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
+    # SGLang's extensions, which sgl-router forwards with every request (SGLANG_FIELDS)
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_hidden_states: bool = False
+
+    _NEUTRAL_SAMPLING: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "skip_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
+        "return_hidden_states": (False,),
+    }
+
+    @field_validator("skip_special_tokens", "spaces_between_special_tokens", "return_hidden_states")
+    @classmethod
+    def _neutral_sglang(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = cls._NEUTRAL_SAMPLING[str(info.field_name)]
+        if value not in allowed:
+            raise ValueError(f"not supported by this server (only {allowed[0]!r} is accepted)")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -270,6 +295,25 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # SGLang: a reasoning parser's switches; none runs here, so there is nothing to separate
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_continue(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported by this server (only false is accepted)")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("not supported by this server (only null or {} is accepted)")
+        return value
 
     @model_validator(mode="after")
     def _combinations(self) -> ChatCompletionRequest:

@@ -146,6 +146,7 @@ class Service:
                     stop=body.stop_list + stop_strings,
                     stop_token_ids=tuple(stop_ids) + tuple(body.stop_token_ids or ()),
                     ignore_eos=body.ignore_eos,
+                    no_stop_trim=body.no_stop_trim,
                     logprobs=logprobs,
                     min_p=body.min_p,
                     repetition_penalty=body.repetition_penalty,

@@ -74,6 +74,19 @@ def test_stop_string_is_held_back_and_cut() -> None:
     assert reason == "stop" and stream.text == "ab" and ids == (ord(">"),)
 
 
+def test_no_stop_trim_keeps_the_stop_in_the_output() -> None:
+    """SGLang's no_stop_trim: the stop string, or the stop token, that ended the output stays in it."""
+    stream = byte_stream(Params(max_tokens=20, stop=("b<", "ab<e"), no_stop_trim=True))
+    text = "".join(stream.push(t)[1] for t in b"ab<")
+    assert stream.finish_reason == "stop" and text == stream.text == "ab<"  # the earliest stop, whole
+    stream = byte_stream(Params(max_tokens=20, stop=("<end>",), no_stop_trim=True))
+    text = "".join(stream.push(t)[1] for t in b"ab<end>")
+    assert text == "ab<end>" and stream.token_ids == list(b"ab<end>")
+    tokens = OutputStream(Params(max_tokens=5, no_stop_trim=True), lambda ids: "x" * len(ids), eos_ids=(257,))
+    assert tokens.push(3)[2] is None and tokens.push(257) == ((257,), "x", "stop")
+    assert tokens.token_ids == [3, 257]
+
+
 def test_held_text_released_when_it_cannot_stop() -> None:
     stream = byte_stream(Params(max_tokens=20, stop=("<end>",)))
     out = "".join(stream.push(t)[1] for t in b"a<ex")

@@ -9,10 +9,11 @@ import json
 import logging
 from typing import Any
 
+import httpx2 as httpx
 import pytest
 
 from replaykv.server.tools import Function, call_text, forced_opening, parse_calls, system_line, with_tools
-from tests.server.conftest import LiveServer
+from tests.server.conftest import ALICE, LiveServer
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_api import MODEL, TOK, client, post
 
@@ -171,3 +172,42 @@ def test_response_format_is_checked_and_reported(live: LiveServer, fake: FakeEng
     fake.reply = b"[1, 2]"
     r = post(live, "/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}})
     assert r.json()["usage"]["replaykv"]["response_format"][0]["error"] == "JSON list, not an object"
+
+
+# The bodies sgl-router 0.3.2 (`python -m sglang_router.launch_router --policy cache_aware`)
+# forwarded to a worker for `{"model", "messages", "max_tokens": 4}` and `{"model", "prompt",
+# "max_tokens": 4}`: it re-serialises every request with SGLang's extension fields.
+ROUTED_CHAT = {
+    "messages": USER, "model": MODEL, "logprobs": False, "max_completion_tokens": 4, "stream": False,
+    "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+    "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+}  # fmt: skip
+ROUTED_COMPLETION = {
+    "model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": False, "echo": False, "no_stop_trim": False,
+    "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False,
+}  # fmt: skip
+
+
+def test_what_sgl_router_forwards_is_served(live: LiveServer, fake: FakeEngine) -> None:
+    for path, body in (("/v1/chat/completions", ROUTED_CHAT), ("/v1/completions", ROUTED_COMPLETION)):
+        r = post(live, path, body)
+        assert r.status_code == 200, r.text
+        assert "X-Replaykv-Ignored-Fields" not in r.headers
+    assert not fake.requests[-1].sampling.no_stop_trim
+    r = post(live, "/v1/completions", {**ROUTED_COMPLETION, "no_stop_trim": True})
+    assert r.status_code == 200 and fake.requests[-1].sampling.no_stop_trim
+    for path, body, field in (
+        ("/v1/completions", {**ROUTED_COMPLETION, "skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/completions", {**ROUTED_COMPLETION, "return_hidden_states": True}, "return_hidden_states"),
+        ("/v1/chat/completions", {**ROUTED_CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", {**ROUTED_CHAT, "chat_template_kwargs": {"enable_thinking": True}},
+         "chat_template_kwargs"),
+    ):  # fmt: skip
+        r = post(live, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "not supported" in r.json()["error"]["message"]
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    for path in ("/model_info", "/server_info"):  # the names sgl-router asks for at start-up
+        r = httpx.get(live.url + path, headers=headers, timeout=10)
+        assert r.status_code == 200, (path, r.text)
+    assert httpx.get(live.url + "/model_info", headers=headers, timeout=10).json()["is_generation"] is True
