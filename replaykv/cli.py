@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _serve(a.rest))
 
+    sp = sub.add_parser(
+        "route", help="a router in front of several serve replicas (see `replaykv route --help`)", add_help=False
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _route(a.rest))
+
     return p
 
 
@@ -215,6 +221,12 @@ def _serve(rest: list[str]) -> int:
     from replaykv.server import main as serve_main
 
     return int(serve_main(rest))
+
+
+def _route(rest: list[str]) -> int:
+    from replaykv.route import main as route_main
+
+    return int(route_main(rest))
 
 
 def _plan(rest: list[str]) -> int:
@@ -235,7 +247,9 @@ def _train(rest: list[str]) -> int:
     return int(train_main(rest))
 
 
-_PASSTHROUGH = {"plan": _plan, "store": _store, "serve": _serve, "train": _train, "accept": _accept}
+_PASSTHROUGH = {
+    "plan": _plan, "store": _store, "serve": _serve, "route": _route, "train": _train, "accept": _accept,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
