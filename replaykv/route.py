@@ -10,8 +10,11 @@ new sessions by load, and moving sessions off a replica that fails. Built on sgl
   conversation's next turn starts with the last one, so it lands where the last turn's window
   snapshot is.
 * ``--policy manual`` routes by a session key header instead: the same key, the same replica.
-* It health-checks ``/health`` on every replica, opens a circuit on one that fails, retries a
-  request elsewhere, and passes streams through. A session moved to another replica finds its
+* It health-checks ``/health`` on every replica and passes streams through. The circuit of a
+  replica opens at its first failed request (``--cb-failure-threshold 1``), so the router's
+  retry of that request goes to another replica: a replica's death costs no request that had
+  not reached it yet. (With sgl-router's default of 10 failures, the requests sent to a dead
+  replica before its circuit opens get a 500.) A session moved to another replica finds its
   global KV in the shared store (``--store-shared``) and its snapshot in a Redis Cluster pool,
   or replays the window.
 
@@ -76,6 +79,9 @@ def router_argv(args: argparse.Namespace) -> list[str]:
         "--health-check-endpoint", "/health",
         "--health-check-interval-secs", str(args.health_check_interval),
         "--health-failure-threshold", str(args.health_failure_threshold),
+        # A request whose connection to a replica fails opens that replica's circuit at once, so
+        # the router's retry goes to another replica instead of the dead one again.
+        "--cb-failure-threshold", "1",
         "--prometheus-host", args.host, "--prometheus-port", str(metrics),
         "--log-level", args.log_level,
     ]  # fmt: skip
