@@ -30,6 +30,8 @@ import os
 import sys
 import urllib.parse
 
+from replaykv.cli_parser import ArgumentParser
+
 __all__ = ["build_parser", "main", "router_argv"]
 
 POLICIES = ("cache_aware", "manual", "power_of_two", "round_robin", "random")
@@ -43,7 +45,7 @@ def _replica(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="replaykv route",
         description="An OpenAI-compatible router in front of replaykv serve replicas (sgl-router).",
     )
@@ -92,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = router_argv(args)
     except ValueError as exc:
-        print(f"replaykv route: error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.print_command:
         print(" ".join(command))
         return 0
     if importlib.util.find_spec("sglang_router") is None:
-        print("replaykv route: error: sgl-router is not installed: pip install 'replaykv[route]'", file=sys.stderr)
+        print("error: sgl-router is not installed: pip install 'replaykv[route]'", file=sys.stderr)
         return 2
     print(f"replaykv: routing http://{args.host}:{args.port} to {', '.join(args.replica)} ({args.policy})", flush=True)
     os.execv(command[0], command)  # the router takes over this process (and its signals)

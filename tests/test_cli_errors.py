@@ -53,6 +53,9 @@ def replaykv(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         (["store", "stats", "--no-such-flag"], "--no-such-flag"),
         (["train", "--recipe", "tiny", "--out", "x", "--stages", "0"], "--stages"),
         (["train", "--recipe", "nope", "--out", "x"], "--recipe"),
+        (["route", "--replica", "nope"], "--replica"),
+        (["route", "--replica", "http://127.0.0.1:1", "--cache-threshold", "2"], "--cache-threshold"),
+        (["route"], "--replica"),
     ],
 )
 def test_a_usage_error_is_one_line(args: list[str], named: str, tmp_path: Path) -> None:
