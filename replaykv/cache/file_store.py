@@ -14,9 +14,9 @@ On-disk layout under ``root``::
     entries/ab/cd/.<hex>.<pid>.<rand>.tmp    a write in progress (or an orphan after a crash)
     quarantine/<hex>.<reason>.<ns>.kv        entries that failed verification; never read again
 
-An entry file is ``STORE_HEADER`` followed by the payload. One process owns a directory for
-writing (its in-memory index is authoritative for ``get``/``contains``); ``replaykv store``
-may inspect it alongside.
+An entry file is ``STORE_HEADER`` followed by the payload. By default one process writes a
+directory (its in-memory index is authoritative for ``get``/``contains``) and ``replaykv store``
+may inspect it alongside; with ``shared=True`` several processes write it (see the class).
 
 Publishing (``put`` is ``put_many`` of one entry): every entry's temp file is written and
 fsynced (on a small thread pool, so the fsyncs of a batch overlap), then renamed to its final
