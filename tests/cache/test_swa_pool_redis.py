@@ -11,10 +11,11 @@ import time
 import pytest
 
 from replaykv.cache.keys import prefix_key
+from replaykv.cache.redis_local import RedisServer
 from replaykv.cache.redis_url import redacted_url
 from replaykv.cache.swa_pool import SNAPSHOT_FRAME, encode_snapshot_frame, make_swa_pool
 from replaykv.cache.swa_pool_redis import RedisSwaPool
-from tests.cache.conftest import FakeClock, RedisServer, make_namespace
+from tests.cache.conftest import FakeClock, make_namespace
 
 pytestmark = pytest.mark.redis
 
