@@ -128,10 +128,16 @@ class RedisClusterNodes:
         args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"]
         return args + (["--enable-debug-command", "local"] if self.debug else [])
 
-    def start(self) -> None:
-        """Start the six nodes, create the cluster and wait until it is healthy."""
+    def start(self, create: bool = True) -> None:
+        """Start the six nodes, create the cluster and wait until it is healthy (``create=False``:
+        the nodes run, each knowing only itself and serving no slot, until :meth:`create`)."""
         for node in self.nodes:
             node.start(*self._node_args())
+        if create:
+            self.create()
+
+    def create(self) -> None:
+        """``redis-cli --cluster create`` over the six running nodes; wait until healthy."""
         if REDIS_CLI is None:
             raise RuntimeError("redis-cli not found on PATH: it creates the cluster")
         subprocess.run(
@@ -146,13 +152,14 @@ class RedisClusterNodes:
         (a former master comes back as a replica of the one that took its slots)."""
         node.start(*self._node_args())
 
-    def restart_empty(self) -> None:
-        """Kill every node, delete their state and create a new, empty cluster on the same ports."""
+    def restart_empty(self, create: bool = True) -> None:
+        """Kill every node, delete their state and start a new, empty cluster on the same ports
+        (``create=False``: as in :meth:`start`)."""
         self.kill()
         for node in self.nodes:
             shutil.rmtree(node.workdir)
             node.workdir.mkdir(parents=True)
-        self.start()
+        self.start(create)
 
     def alive(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.proc is not None]

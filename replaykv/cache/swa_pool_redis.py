@@ -143,7 +143,15 @@ class RedisSwaPool(SwaPool):
             self.address = f"redis://{host}:{port}/{db}"
         # A cluster's own failures (no node reachable, a slot with no master, CLUSTERDOWN while
         # a failover runs) count as the cluster being unavailable.
-        cluster_down = (redis.exceptions.RedisClusterException, redis.exceptions.ClusterDownError)
+        cluster_down: tuple[type[BaseException], ...] = (
+            redis.exceptions.RedisClusterException,
+            redis.exceptions.ClusterDownError,
+        )
+        if self.cluster:
+            # redis-py's cluster client raises IndexError when it re-reads the slot map from a
+            # node that knows no master yet (a cluster being created again after a restart);
+            # the client is then rebuilt from the seeds.
+            cluster_down += (IndexError,)
         self._redis_errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError, *cluster_down)
         self._unavailable: tuple[type[BaseException], ...] = (
             *cluster_down,
@@ -159,30 +167,36 @@ class RedisSwaPool(SwaPool):
         what = "Redis Cluster SWA pool" if self.cluster else "Redis SWA pool"
         self._faults = FaultLog(log, f"{what} at {self.address}", clock=circuit_clock)
         self._bad_values = FaultLog(log, f"{what} at {self.address}", clock=circuit_clock)
-        self._connect_lock = threading.Lock()
+        self._connect_lock = threading.RLock()  # _classify may drop the client while it is made
 
     # ---------------------------------------------------------------- helpers
     def redis_key(self, key: bytes) -> str:
         """``<prefix>{<hex>}``: the Redis key of a prefix key."""
         return f"{self.key_prefix}{{{key_hex(key)}}}"
 
-    def _available(self) -> bool:
-        """The circuit is closed and a client exists."""
-        return self._circuit_clock() >= self._down_until and self._ensure_client()
+    def _available(self) -> Any:
+        """The client when the circuit is closed (making a cluster's client first), else None.
+        Callers use the returned client, never ``self._client``: a cluster's client can be
+        dropped by another thread meanwhile."""
+        if self._circuit_clock() < self._down_until:
+            return None
+        return self._ensure_client()
 
-    def _ensure_client(self) -> bool:
-        """Make a cluster's client on first use (its constructor reads the slot map, which fails
-        while no seed answers: counted and the circuit opened, as any connection error)."""
-        if self._client is not None:
-            return True
+    def _ensure_client(self) -> Any:
+        """The client; a cluster's is made on first use (its constructor reads the slot map,
+        which fails while no seed answers: counted and the circuit opened, as any connection
+        error, and None returned)."""
+        client = self._client
+        if client is not None:
+            return client
         with self._connect_lock:
             if self._client is None:
                 try:
                     self._client = self._make_cluster_client()
                 except self._redis_errors as exc:
                     self._classify(exc)
-                    return False
-        return True
+                    return None
+            return self._client
 
     def _make_cluster_client(self) -> Any:
         from redis.cluster import ClusterNode, RedisCluster
@@ -206,6 +220,9 @@ class RedisSwaPool(SwaPool):
         if kind in ("timeout", "connection"):
             with self._down_lock:
                 self._down_until = self._circuit_clock() + self.retry_after_s
+        if isinstance(exc, IndexError) and self.cluster:
+            with self._connect_lock:
+                self._client = None  # its slot map is half read: start again from the seeds
         self.metrics.errors.inc(kind)
         pause = f"; not calling it for {self.retry_after_s:g} s" if kind in ("timeout", "connection") else ""
         self._faults.failed(kind, f"{kind} error ({exc}): snapshots are misses{pause}")
@@ -224,16 +241,17 @@ class RedisSwaPool(SwaPool):
         if SNAPSHOT_FRAME.size + size > self.max_value_bytes:
             self.metrics.record_put(False, error="too_large")
             return False
-        if not self._available():
+        client = self._available()
+        if client is None:
             self.metrics.record_put(False, error="unavailable")
             return False
         value = encode_snapshot_frame(key, payload, self._clock(), ttl)
         whole_seconds = float(ttl).is_integer()
         try:
             if whole_seconds:
-                ok = self._client.set(self.redis_key(key), value, ex=int(ttl))
+                ok = client.set(self.redis_key(key), value, ex=int(ttl))
             else:
-                ok = self._client.set(self.redis_key(key), value, px=math.ceil(ttl * 1000))
+                ok = client.set(self.redis_key(key), value, px=math.ceil(ttl * 1000))
         except self._redis_errors as exc:
             self.metrics.record_put(False)
             self._classify(exc)
@@ -247,13 +265,14 @@ class RedisSwaPool(SwaPool):
 
     def get(self, key: bytes) -> bytes | None:
         _check_key(key)
-        if not self._available():
+        client = self._available()
+        if client is None:
             self.metrics.errors.inc("unavailable")
             self.metrics.record_miss()
             return None
         rkey = self.redis_key(key)
         try:
-            value = self._client.get(rkey)
+            value = client.get(rkey)
         except self._redis_errors as exc:
             self._classify(exc)
             self.metrics.record_miss()
@@ -270,7 +289,7 @@ class RedisSwaPool(SwaPool):
                 f"bad_value:{decoded}", f"quarantined the value under {rkey} ({decoded}); unlinking it"
             )
             try:
-                self._client.unlink(rkey)
+                client.unlink(rkey)
             except self._redis_errors as exc:
                 self._classify(exc)
             self.metrics.record_miss()
@@ -285,20 +304,22 @@ class RedisSwaPool(SwaPool):
 
     def contains(self, key: bytes) -> bool:
         _check_key(key)
-        if not self._available():
+        client = self._available()
+        if client is None:
             return False
         try:
-            return bool(self._client.exists(self.redis_key(key)))
+            return bool(client.exists(self.redis_key(key)))
         except self._redis_errors as exc:
             self._classify(exc)
             return False
 
     def delete(self, key: bytes) -> bool:
         _check_key(key)
-        if not self._available():
+        client = self._available()
+        if client is None:
             return False
         try:
-            gone = bool(self._client.unlink(self.redis_key(key)))
+            gone = bool(client.unlink(self.redis_key(key)))
         except self._redis_errors as exc:
             self._classify(exc)
             return False
@@ -309,26 +330,28 @@ class RedisSwaPool(SwaPool):
     def flush(self) -> None:
         """Unlink every key under this pool's prefix (SCAN + UNLINK; other keys are untouched)."""
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.key_prefix) + "*"
-        if not self._ensure_client():
+        client = self._ensure_client()
+        if client is None:
             return
         try:
             batch: list[bytes] = []
-            for rkey in self._client.scan_iter(match=pattern, count=1000):
+            for rkey in client.scan_iter(match=pattern, count=1000):
                 batch.append(rkey)
                 if len(batch) >= 1000:
-                    self._client.unlink(*batch)
+                    client.unlink(*batch)
                     batch.clear()
             if batch:
-                self._client.unlink(*batch)
+                client.unlink(*batch)
         except self._redis_errors as exc:
             self._classify(exc)
 
     def ping(self) -> bool:
         """``True`` if Redis answers now (every primary of a cluster); ignores and resets the circuit."""
-        if not self._ensure_client():
+        client = self._ensure_client()
+        if client is None:
             return False
         try:
-            ok = bool(self._client.ping())
+            ok = bool(client.ping())
         except self._redis_errors as exc:
             self._classify(exc)
             return False
@@ -345,14 +368,15 @@ class RedisSwaPool(SwaPool):
             ttl_s=self.ttl_s,
             circuit_open=self.circuit_open,
         )
-        if self._available():
+        client = self._available()
+        if client is not None:
             try:
                 if self.cluster:  # summed over the primaries (replicas hold copies)
-                    primaries = self._client.PRIMARIES
-                    per_node = self._client.info("memory", target_nodes=primaries).values()
-                    keys = self._client.dbsize(target_nodes=primaries)
+                    primaries = client.PRIMARIES
+                    per_node = client.info("memory", target_nodes=primaries).values()
+                    keys = client.dbsize(target_nodes=primaries)
                 else:
-                    per_node, keys = [self._client.info("memory")], self._client.dbsize()
+                    per_node, keys = [client.info("memory")], client.dbsize()
                 out.update(
                     used_memory=sum(int(i.get("used_memory", 0)) for i in per_node),
                     maxmemory=sum(int(i.get("maxmemory", 0)) for i in per_node),

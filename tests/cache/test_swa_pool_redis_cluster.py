@@ -111,6 +111,28 @@ def test_master_failure_degrades_then_the_replica_serves(redis_cluster: RedisClu
     pool.close()
 
 
+def test_a_cluster_restarted_empty_is_a_miss_until_it_is_created_again(redis_cluster: RedisClusterNodes) -> None:
+    """Every node dies and comes back empty, first without slots: calls are misses and failed
+    puts (redis-py's client raises IndexError re-reading such a slot map), never errors; once
+    the new cluster is created the pool stores and serves again, the old snapshots gone."""
+    circuit = FakeClock(0.0)
+    pool = cluster_pool(redis_cluster, retry_after_s=1.0, circuit_clock=circuit)
+    for i in range(10):
+        assert pool.put(k(i), bytes([i]) * 64)
+    redis_cluster.restart_empty(create=False)
+    for i in range(10):  # the nodes answer, but none serves a slot
+        circuit.advance(1.0)
+        assert not pool.put(k(i), b"z") and pool.get(k(i)) is None
+    errors = pool.stats()["errors"]
+    assert isinstance(errors, dict) and sum(errors.values()) >= 10, errors
+    redis_cluster.create()
+    circuit.advance(1.0)
+    assert pool.get(k(0)) is None  # the new cluster is empty
+    assert pool.put(k(0), b"new") and pool.get(k(0)) == b"new"
+    pool.check_integrity()
+    pool.close()
+
+
 def test_manager_over_a_failing_cluster_answers_exactly(
     tmp_path: Any, clock: FakeClock, managers: Any, redis_cluster: RedisClusterNodes  # noqa: F811
 ) -> None:
