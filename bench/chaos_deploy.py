@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
+from procs import interrupt
 
 from replaykv.cache.redis_local import REDIS_BIN, RedisClusterNodes, free_port
 
@@ -75,13 +76,8 @@ class Replica:
             self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            interrupt(self.proc)
 
     def running(self) -> int:
         """Requests holding a decode slot now (``replaykv_running_requests``); -1 when unreachable."""

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 import httpx2 as httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import interrupt
 from report import replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,13 +108,7 @@ class Server:
             raise RuntimeError("the server did not start within 180 s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc)
 
 
 async def one_turn(
