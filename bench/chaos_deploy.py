@@ -125,11 +125,10 @@ class Disk:
                               capture_output=True, text=True)  # fmt: skip
         self.mounted = done.returncode == 0
         self.why_not = "" if self.mounted else (done.stderr.strip() or "mount failed")
-        self.filler = path.parent / (path.name + "-filler")
+        self.filler = path / ".chaos-filler"
 
     def fill(self) -> int:
         """Write a filler file on the store's file system until ENOSPC; the bytes written."""
-        self.filler = self.path / ".chaos-filler"
         n = 0
         chunk = b"\0" * (1 << 20)
         with open(self.filler, "wb", buffering=0) as f:
