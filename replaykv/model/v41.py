@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replaykv.model import fused
 from replaykv.model.attention import _BLOCK_BUDGET, grouped_projection, index_dots, joint_attention
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.compressor import (
@@ -240,6 +241,16 @@ class DecoderLayerV41(nn.Module):
 
     def forward(self, state: Residual, step: Step, cache: LayerCacheView, selection: Selection) -> Residual:
         streams = state.streams
+        if fused.active(streams):  # training: the compiled mHC forms (same values up to rounding)
+            attn_pre, attn_post, attn_comb, x = fused.mix_collapse(
+                self.attn_hc, self.input_layernorm, streams, state.pre_mix
+            )
+            streams = fused.expand(streams, self.self_attn(x, step, cache, selection), attn_post, attn_comb)
+            ffn_pre, ffn_post, ffn_comb, x = fused.mix_collapse(
+                self.ffn_hc, self.post_attention_layernorm, streams, attn_pre
+            )
+            ffn = self.mlp(x, state.input_ids)
+            return Residual(fused.expand(streams, ffn, ffn_post, ffn_comb), ffn_pre, state.input_ids)
         attn_pre, attn_post, attn_comb = self.attn_hc.mixes(streams)
         attn = self.self_attn(
             self.input_layernorm(hc_collapse(streams, state.pre_mix)), step, cache, selection
