@@ -6,8 +6,10 @@ and achieved GFLOP/s against torch.mm's peak measured in the same run.
 
 Settings (rounds interleave them, so drift on a shared machine hits each alike):
 
-    float32   eager float32, what `replaykv train` ran before its speed work
-    bf16      the same step under torch.autocast(bfloat16) (float32 master weights and AdamW)
+    float32      eager float32, what `replaykv train` ran before its speed work
+    bf16         the same step under torch.autocast(bfloat16) (float32 master weights and AdamW)
+    fused        the training-only fused forms (replaykv.model.fused), float32
+    fused-bf16   both: what `replaykv train` runs by default where bf16 products are fast
 
 A step is `accumulate_gradients` + gradient clipping + AdamW + router balancing on a batch of the
 chosen phase (the same batch for every setting and round). The FLOPs of a step are counted once
@@ -24,7 +26,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ from replaykv.train.data import MixtureSampler, load_corpus
 from replaykv.train.loop import RouterBalance, _fresh, accumulate_gradients, make_optimizer
 from replaykv.train.paths import IndexerDistillation
 from replaykv.train.recipes import get_recipe
+from replaykv.train.speed import StepSettings
 
 
 def mm_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
@@ -54,13 +57,19 @@ def mm_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
     return 2 * n**3 / best / 1e9
 
 
-@contextlib.contextmanager
-def _setting(name: str) -> Iterator[None]:
-    if name == "bf16":
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            yield
-    else:
-        yield
+# Setting name -> (kernels, precision) of replaykv.train.speed.StepSettings.
+SETTINGS = {
+    "float32": StepSettings("eager", "float32"),
+    "bf16": StepSettings("eager", "bf16"),
+    "fused": StepSettings("fused", "float32"),
+    "fused-bf16": StepSettings("fused", "bf16"),
+}
+
+
+def _setting(name: str) -> contextlib.AbstractContextManager[None]:
+    if name not in SETTINGS:
+        raise SystemExit(f"unknown setting {name!r}; choose from {sorted(SETTINGS)}")
+    return SETTINGS[name].applied(torch.device("cpu"))
 
 
 def make_step(
@@ -125,7 +134,8 @@ def main() -> int:
     base = statistics.median(times[settings[0]])
     lines = [
         "<!-- bench_train:begin -->",
-        f"`python bench/bench_train.py --recipe {args.recipe} --phase {args.phase} --repeats {args.repeats}`, "
+        f"`python bench/bench_train.py --recipe {args.recipe} --phase {args.phase} "
+        f"--settings {args.settings} --repeats {args.repeats}`, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}: one optimiser step of {tokens:,} tokens "
         f"({flops / 1e9:.1f} GFLOP of matrix products, counted once), rounds interleaved; torch.mm peak in the "
         f"same run {peaks['float32']:.0f} GFLOP/s float32, {peaks['bf16']:.0f} GFLOP/s bf16.",

@@ -46,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (memory only)")
+    p.add_argument(
+        "--kernels",
+        choices=("fused", "eager"),
+        default="fused",
+        help="fused: compiled mHC sites and other training-only forms (default); eager: the engine's layers",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bf16"),
+        default="auto",
+        help="matrix products in bf16 (float32 master weights) or float32; auto: bf16 where this "
+        "device multiplies bf16 at least twice as fast (default)",
+    )
     p.add_argument("--eval-only", action="store_true", help="evaluate OUT's model and rewrite its card")
     p.add_argument(
         "--bar",
@@ -92,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             stages=args.stages,
             from_stage=args.from_stage,
             ship=args.ship,
+            kernels=args.kernels,
+            precision=args.precision,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

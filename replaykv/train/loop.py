@@ -56,6 +56,7 @@ from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.paths import IndexerDistillation, path_losses
 from replaykv.train.recipes import Phase, Recipe
+from replaykv.train.speed import StepSettings
 from replaykv.train.stages import (
     STAGE_DIR,
     cold_start,
@@ -255,6 +256,8 @@ def train(
     stages: int | None = None,
     from_stage: str | Path | None = None,
     ship: bool = False,
+    kernels: str = "fused",
+    precision: str = "float32",
 ) -> TrainResult:
     """Run (or continue) `recipe` into `out`. `max_steps` stops after that global step (a prefix of
     the same run: the schedule is the recipe's); the export happens when the recipe completes.
@@ -266,13 +269,17 @@ def train(
     `stages` stops after that many stage ends in this call. At each stage end the stage
     checkpoint goes to OUT/stage/ (and, with `ship`, to the recipe's package directory). With
     `resume` and no OUT/train_state/, the run continues from a stage checkpoint (`from_stage`,
-    else OUT/stage/, else the committed one) with fresh optimiser moments."""
+    else OUT/stage/, else the committed one) with fresh optimiser moments.
+
+    `kernels` and `precision` choose how a step computes (`replaykv.train.speed`): the same
+    training up to float rounding."""
     out = Path(out)
     state_path = out / STATE
     if state_path.exists() and not resume:
         raise FileExistsError(f"{state_path} exists: pass --resume to continue it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
+    settings = StepSettings.resolve(kernels, precision, dev)
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     continuing = resume and state_path.exists()
     cold = cold_start(recipe, out, from_stage) if resume and not continuing else None
@@ -315,6 +322,7 @@ def train(
         cold_from = state.get("cold_from")
     else:
         torch.manual_seed(recipe.seed)
+    _log(out, {"step": step, "kernels": settings.kernels, "precision": settings.precision})
     (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")  # what this code runs
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
@@ -335,7 +343,8 @@ def train(
             lr = rewarmed_lr(recipe, step, cold_from)
             set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = accumulate_gradients(model, spec, batch, phase, recipe, distill, dev, micro_batch)
+            with settings.applied(dev):
+                parts = accumulate_gradients(model, spec, batch, phase, recipe, distill, dev, micro_batch)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
             opt.step()
             balance.update()
@@ -394,6 +403,8 @@ def train(
             "seconds": seconds,
             "device": str(dev),
             "threads": torch.get_num_threads(),
+            "kernels": settings.kernels,
+            "precision": settings.precision,
             # The torch build and the vector kernels it picked set the float rounding.
             "torch": torch.__version__,
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
