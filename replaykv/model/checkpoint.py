@@ -242,13 +242,69 @@ def to_transformers_state_dict(model: AnyModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(model: AnyModel, model_dir: str | Path) -> None:
-    """Write config.json and model.safetensors in transformers' layout."""
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# A safetensors header holds, per tensor, its name, dtype, shape and offsets as JSON; shards are
+# packed leaving this much per tensor (and the fixed part) for it.
+_HEADER_PER_TENSOR = 256
+_HEADER_FIXED = 1024
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (its index's shards when it has one)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        return [model_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [model_dir / WEIGHTS_FILE] if (model_dir / WEIGHTS_FILE).is_file() else []
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds a single-file or a sharded (indexed) checkpoint."""
+    return bool(weight_files(model_dir))
+
+
+def _shards(state: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in order, packed into files of at most `shard_bytes` (header included)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = _HEADER_FIXED
+    for name, t in state.items():
+        need = t.numel() * t.element_size() + _HEADER_PER_TENSOR + len(name)
+        if _HEADER_FIXED + need > shard_bytes:
+            raise ValueError(f"tensor {name} ({need:,} bytes) does not fit a shard of {shard_bytes:,} bytes")
+        if shards[-1] and used + need > shard_bytes:
+            shards.append({})
+            used = _HEADER_FIXED
+        shards[-1][name] = t
+        used += need
+    return shards
+
+
+def save_pretrained(model: AnyModel, model_dir: str | Path, shard_bytes: int | None = None) -> None:
+    """Write config.json and the weights in transformers' layout: model.safetensors, or with
+    `shard_bytes` and more weights than that, shards of at most `shard_bytes` bytes each
+    (model-0000i-of-0000n.safetensors) listed by model.safetensors.index.json. Weight files of an
+    earlier save in `model_dir` are removed first, so the directory holds one checkpoint."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_dict()
     cfg["dtype"] = str(model.lm_head.weight.dtype).replace("torch.", "")
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    save_file(
-        to_transformers_state_dict(model), str(model_dir / "model.safetensors"), metadata={"format": "pt"}
-    )
+    for old in [*model_dir.glob("model*.safetensors"), model_dir / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    state = to_transformers_state_dict(model)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if shard_bytes is None or total + _HEADER_FIXED + _HEADER_PER_TENSOR * len(state) <= shard_bytes:
+        save_file(state, str(model_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+        return
+    shards = _shards(state, shard_bytes)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(model_dir / name), metadata={"format": "pt"})
+        size = (model_dir / name).stat().st_size
+        if size > shard_bytes:  # the header estimate fell short: never hand out an oversized file
+            raise RuntimeError(f"{name} is {size:,} bytes, over the {shard_bytes:,}-byte shard size")
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (model_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -5,6 +5,7 @@
     replaykv train --recipe adapt --out models/v41-small-adapted --init models/v41-small
     replaykv train --recipe small --out models/v41-small --eval-only       # re-measure, rewrite card
     replaykv train --recipe small --out models/v41-small --resume --stages 1 --ship   # one stage
+    replaykv train --recipe small --out /tmp/v41-small --device cuda --shard-size 16MiB   # on a GPU
 
 The process re-executes itself with glibc keeping freed memory (:mod:`replaykv.malloc`).
 
@@ -18,6 +19,19 @@ import sys
 
 from replaykv.cli_parser import ArgumentParser, positive_int
 from replaykv.train.recipes import RECIPES, Recipe, get_recipe
+
+
+def shard_size(text: str) -> int:
+    """argparse type: a file size of at least 1 MiB (16MiB, 16M, 16000000)."""
+    from replaykv.cache.stores import parse_capacity
+
+    try:
+        value = parse_capacity(text)
+    except ValueError:
+        value = 0.0
+    if isinstance(value, float) or value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 MiB such as 16MiB, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (memory only)")
+    p.add_argument(
+        "--shard-size",
+        type=shard_size,
+        default=None,
+        help="write stage checkpoints and the export in safetensors shards of at most this size "
+        "(e.g. 16MiB; default: one file)",
+    )
     p.add_argument(
         "--kernels",
         choices=("fused", "eager"),
@@ -107,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             ship=args.ship,
             kernels=args.kernels,
             precision=args.precision,
+            shard_bytes=args.shard_size,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from replaykv.model.checkpoint import load_model
+from replaykv.model.checkpoint import has_weights, load_model
 from replaykv.model.init import init_weights
 from replaykv.model.layers import HyperConnection, HyperHead, RouterV41
 from replaykv.model.presets_v41 import get_preset_v41
@@ -258,6 +258,7 @@ def train(
     ship: bool = False,
     kernels: str = "fused",
     precision: str = "float32",
+    shard_bytes: int | None = None,
 ) -> TrainResult:
     """Run (or continue) `recipe` into `out`. `max_steps` stops after that global step (a prefix of
     the same run: the schedule is the recipe's); the export happens when the recipe completes.
@@ -272,7 +273,8 @@ def train(
     else OUT/stage/, else the committed one) with fresh optimiser moments.
 
     `kernels` and `precision` choose how a step computes (`replaykv.train.speed`): the same
-    training up to float rounding."""
+    training up to float rounding. `shard_bytes` writes stage checkpoints and the export in
+    safetensors shards of at most that size (for channels that limit a file's size)."""
     out = Path(out)
     state_path = out / STATE
     if state_path.exists() and not resume:
@@ -382,7 +384,7 @@ def train(
                 info = {"stage": stage, "step": step, "tokens": tokens, "seconds": seconds}
                 info["stage_seconds"] = stage_seconds
                 info["final_loss"] = float(np.mean(losses[-20:]))
-                write_stage(model, out / STAGE_DIR, recipe, info)
+                write_stage(model, out / STAGE_DIR, recipe, info, shard_bytes)
                 if ship and shipped_dir(recipe) is not None:
                     ship_stage(out / STAGE_DIR, shipped_dir(recipe))  # type: ignore[arg-type]
                 _log(out, {"step": step, "stage_end": stage, "stage_seconds": stage_seconds[str(stage)]})
@@ -411,7 +413,7 @@ def train(
             "final_loss": float(np.mean(losses[-20:] or [np.nan])),
             "median_step_seconds": median_step_seconds(out, recipe),
         }
-        export(model, out, recipe, corpus, training, init)
+        export(model, out, recipe, corpus, training, init, shard_bytes)
         exported = True
     return TrainResult(step, tokens, seconds, losses, out, exported)
 
@@ -481,6 +483,7 @@ def export(
     corpus: dict[str, Corpus],
     training: dict[str, Any],
     init: str | Path | None = None,
+    shard_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Final evaluation, then the bf16 checkpoint, tokenizer, metrics and model card in `out`.
 
@@ -499,7 +502,7 @@ def export(
         metrics["base"] = base
     if spec is not None:
         metrics["adapted" if init is not None else "base"] = evaluate(model, corpus["heldout"], spec)
-    save_export(model, out)
+    save_export(model, out, shard_bytes)
     own = metrics.get("adapted", metrics.get("base"))
     (out / "metrics.json").write_text(json.dumps({**(own or {}), "training": training}, indent=2) + "\n")
     if metrics:
@@ -525,7 +528,7 @@ def evaluate_only(
     dev = resolve_device(device)
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     state: dict[str, Any] = {}
-    if (out / "model.safetensors").exists():
+    if has_weights(out):
         model = load_model(out, dtype="float32").to(dev)
     elif (out / STATE).exists():
         state = torch.load(out / STATE, map_location=dev, weights_only=False)

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from replaykv.model.checkpoint import cast_model, load_model, save_pretrained
+from replaykv.model.checkpoint import (
+    INDEX_FILE,
+    cast_model,
+    has_weights,
+    load_model,
+    save_pretrained,
+    weight_files,
+)
 from replaykv.tokenizer import ByteTokenizer
 from replaykv.train.recipes import Recipe
 
@@ -47,30 +54,33 @@ def shipped_dir(recipe: Recipe) -> Path | None:
 def read_stage(directory: str | Path) -> dict[str, Any] | None:
     """stage.json of a stage checkpoint, or None when `directory` holds none."""
     path = Path(directory) / STAGE_FILE
-    if not (path.is_file() and (Path(directory) / "model.safetensors").is_file()):
+    if not (path.is_file() and has_weights(directory)):
         return None
     return dict(json.loads(path.read_text()))
 
 
-def save_export(model: nn.Module, directory: Path) -> None:
+def save_export(model: nn.Module, directory: Path, shard_bytes: int | None = None) -> None:
     """The shipped form of `model` in `directory`: bf16 safetensors (float32 where every export
-    keeps it), config.json and the tokenizer files; warns past the 30 MiB budget."""
+    keeps it; in shards of at most `shard_bytes` when given), config.json and the tokenizer
+    files; warns past the 30 MiB budget."""
     shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
-    save_pretrained(shipped, directory)  # type: ignore[arg-type]
+    save_pretrained(shipped, directory, shard_bytes)  # type: ignore[arg-type]
     ByteTokenizer().save(directory)
-    size = (directory / "model.safetensors").stat().st_size
+    size = sum(f.stat().st_size for f in weight_files(directory))
     if size > MAX_EXPORT_BYTES:
-        print(f"warning: {directory / 'model.safetensors'} is {size / 2**20:.1f} MiB, over the 30 MiB budget")
+        print(f"warning: the weights in {directory} are {size / 2**20:.1f} MiB, over the 30 MiB budget")
 
 
-def write_stage(model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any]) -> dict[str, Any]:
+def write_stage(
+    model: nn.Module, directory: Path, recipe: Recipe, info: dict[str, Any], shard_bytes: int | None = None
+) -> dict[str, Any]:
     """Write a stage checkpoint (bf16 export, tokenizer, stage.json) into `directory`, replacing
     what was there; returns the stage.json record. The files are written beside and renamed in,
     so an interrupted write leaves the previous checkpoint whole."""
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_export(model, tmp)
+    save_export(model, tmp, shard_bytes)
     record = {
         "recipe": recipe.name,
         "recipe_digest": recipe.digest(),
@@ -95,6 +105,9 @@ def ship_stage(source: Path, target: Path) -> None:
     """Copy a stage checkpoint's files into the package directory `target`, keeping its card
     and metrics when the stage is the one they describe."""
     target.mkdir(parents=True, exist_ok=True)
+    for stale in [*target.glob("model*.safetensors"), target / INDEX_FILE]:
+        if not (source / stale.name).exists():  # from a checkpoint sharded otherwise
+            stale.unlink(missing_ok=True)
     for f in source.iterdir():
         if f.is_file():
             shutil.copy2(f, target / f.name)
@@ -113,7 +126,7 @@ def cold_start(recipe: Recipe, out: Path, source: str | Path | None) -> Path | N
                 raise ValueError(f"{c} is a stage of recipe {info.get('recipe')!r}, not {recipe.name!r}")
             return c
     if source is not None:
-        raise FileNotFoundError(f"{source} holds no stage checkpoint ({STAGE_FILE} + model.safetensors)")
+        raise FileNotFoundError(f"{source} holds no stage checkpoint ({STAGE_FILE} + safetensors weights)")
     return None
 
 
@@ -140,7 +153,7 @@ def evaluate_stage(
     directory = Path(directory)
     info = read_stage(directory)
     if info is None:
-        raise FileNotFoundError(f"{directory} holds no stage checkpoint ({STAGE_FILE} + model.safetensors)")
+        raise FileNotFoundError(f"{directory} holds no stage checkpoint ({STAGE_FILE} + safetensors weights)")
     if recipe.bar is None:
         raise ValueError(f"recipe {recipe.name!r} has no shipping bar")
     corpus = load_corpus(max_files=recipe.corpus_files)

@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replaykv.model.checkpoint import build_model, load_config, load_model, save_pretrained
+from replaykv.model.checkpoint import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    build_model,
+    load_config,
+    load_model,
+    read_state_dict,
+    save_pretrained,
+    weight_files,
+)
 from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny
@@ -79,3 +88,27 @@ def test_the_command_line_loads_it(tmp_path: Path, flag: list[str]) -> None:
         [*cmd, "--out", str(out), "--kv-quant", "on"], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert refused.returncode != 0 and "kv_quant is on but head_dim (40)" in refused.stderr
+
+
+def test_a_checkpoint_saved_in_shards_keeps_each_under_the_size_and_loads_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    model = init_weights(build_model(v41_tiny().replace(kv_quant=False)), seed=0)
+    save_pretrained(model, tmp_path / "one")
+    limit = 1 << 20
+    save_pretrained(model, tmp_path / "sharded", shard_bytes=limit)
+    shards = weight_files(tmp_path / "sharded")
+    total = (tmp_path / "one" / WEIGHTS_FILE).stat().st_size
+    assert len(shards) >= -(-total // limit) >= 2 and not (tmp_path / "sharded" / WEIGHTS_FILE).exists()
+    assert all(f.stat().st_size <= limit for f in shards), [f.stat().st_size for f in shards]
+    one, sharded = read_state_dict(tmp_path / "one"), read_state_dict(tmp_path / "sharded")
+    assert one.keys() == sharded.keys() and all((one[k] == sharded[k]).all() for k in one)
+    loaded = load_model(tmp_path / "sharded", dtype="float32")
+    assert all((a == b).all() for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True))
+    # Saving again as one file leaves one checkpoint in the directory, not two.
+    save_pretrained(model, tmp_path / "sharded")
+    assert weight_files(tmp_path / "sharded") == [tmp_path / "sharded" / WEIGHTS_FILE]
+    assert not (tmp_path / "sharded" / INDEX_FILE).exists()
+    assert sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors")) == [WEIGHTS_FILE]
+    with pytest.raises(ValueError, match="does not fit a shard"):
+        save_pretrained(model, tmp_path / "tiny_shards", shard_bytes=64 << 10)

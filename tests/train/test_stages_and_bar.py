@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from replaykv.model.checkpoint import weight_files
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.v41 import DeepseekV41ForCausalLM
@@ -70,6 +71,27 @@ def test_a_stage_checkpoint_lets_a_bare_machine_continue(tmp_path, corpus) -> No
     shipped = tmp_path / "weights"
     stages.ship_stage(out / "stage", shipped)
     assert (shipped / "model.safetensors").read_bytes() == (out / "stage" / "model.safetensors").read_bytes()
+
+
+def test_a_sharded_stage_checkpoint_ships_over_a_single_file_one_and_a_bare_machine_continues_from_it(
+    tmp_path, corpus  # type: ignore[no-untyped-def]
+) -> None:
+    recipe = _staged()
+    out = tmp_path / "run"
+    loop.train(recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False, shard_bytes=1 << 20)
+    files = weight_files(out / "stage")
+    assert len(files) >= 2 and all(f.stat().st_size <= 1 << 20 for f in files)
+    shipped = tmp_path / "weights"
+    shipped.mkdir()
+    (shipped / "model.safetensors").write_bytes(b"an earlier single-file checkpoint")
+    stages.ship_stage(out / "stage", shipped)
+    assert not (shipped / "model.safetensors").exists()
+    assert [f.name for f in weight_files(shipped)] == [f.name for f in files]
+    bare = loop.train(
+        recipe, tmp_path / "bare", resume=True, from_stage=shipped, corpus=corpus, progress=False,
+        evaluate_at_end=False,
+    )  # fmt: skip
+    assert bare.steps == 6 and any(r.get("cold_resume") == str(shipped) for r in _log(tmp_path / "bare"))
 
 
 def test_resume_with_nothing_to_resume_says_so(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
