@@ -39,9 +39,10 @@ from report import replace_section
 from replaykv.malloc import reexec_keeping_freed_memory
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import MixtureSampler, load_corpus
-from replaykv.train.loop import RouterBalance, _fresh, accumulate_gradients, make_optimizer
+from replaykv.train.loop import accumulate_gradients
 from replaykv.train.paths import IndexerDistillation
 from replaykv.train.recipes import get_recipe
+from replaykv.train.setup import RouterBalance, fresh_model, make_optimizer
 from replaykv.train.speed import StepSettings
 
 
@@ -81,7 +82,7 @@ def make_step(
     step_no = sum(p.steps for p in recipe.phases[:phase_index])
     phase = recipe.phases[phase_index]
     corpus = load_corpus(max_files=recipe.corpus_files)
-    model = _fresh(recipe, seed=recipe.seed)
+    model = fresh_model(recipe, seed=recipe.seed)
     spec = ModelSpec.from_config(model.config)
     opt = make_optimizer(model, recipe)
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bar(recipe: Recipe, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from replaykv.train.loop import resolve_device
+    from replaykv.train.setup import resolve_device
     from replaykv.train.stages import STAGE_DIR, evaluate_stage, ship_stage, shipped_dir
 
     try:

@@ -24,18 +24,14 @@ from OUT/train_state/ exactly when it is there; otherwise from a stage checkpoin
 or the one committed under replaykv/weights/) with fresh AdamW moments and `Recipe.rewarmup`
 steps of re-warm-up: the data and the schedule continue where the stage ended.
 
-Not for: the data (see :mod:`replaykv.train.data`) or the forward paths (see
-:mod:`replaykv.train.paths`).
+Not for: the data (see :mod:`replaykv.train.data`), the forward paths (see
+:mod:`replaykv.train.paths`), the model and optimiser set-up (:mod:`replaykv.train.setup`) or the
+saved state (:mod:`replaykv.train.state`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
-import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,15 +43,20 @@ from torch import nn
 from tqdm import tqdm
 
 from replaykv.model.checkpoint import has_weights, load_model
-from replaykv.model.init import init_weights
-from replaykv.model.layers import HyperConnection, HyperHead, RouterV41
-from replaykv.model.presets_v41 import get_preset_v41
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.paths import IndexerDistillation, path_losses
 from replaykv.train.recipes import Phase, Recipe
+from replaykv.train.setup import (
+    RouterBalance,
+    fresh_model,
+    make_model,
+    make_optimizer,
+    resolve_device,
+    set_lr,
+)
 from replaykv.train.speed import StepSettings
 from replaykv.train.stages import (
     STAGE_DIR,
@@ -67,41 +68,14 @@ from replaykv.train.stages import (
     shipped_dir,
     write_stage,
 )
-
-STATE = "train_state/state.pt"
-
-
-class RouterBalance:
-    """Aux-loss-free load balancing (DeepSeek-V3): after each optimiser step every router's
-    `e_score_correction_bias` moves by `rate` towards equal expert load (up for experts picked
-    less than average, down for more), from the picks counted in that step's training forwards."""
-
-    def __init__(self, model: nn.Module, rate: float) -> None:
-        self.rate = rate
-        self.counts: dict[RouterV41, torch.Tensor] = {}
-        self._handles = [
-            m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, RouterV41)
-        ]
-
-    def _hook(
-        self, module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
-        if not torch.is_grad_enabled():
-            return
-        assert isinstance(module, RouterV41)
-        n = module.e_score_correction_bias.shape[0]
-        c = torch.bincount(output[0].reshape(-1), minlength=n).float()
-        self.counts[module] = self.counts.get(module, torch.zeros_like(c)) + c
-
-    @torch.no_grad()
-    def update(self) -> None:
-        for router, c in self.counts.items():
-            router.e_score_correction_bias.add_(self.rate * torch.sign(c.mean() - c))
-        self.counts.clear()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+from replaykv.train.state import (
+    STATE,
+    StopOnSigterm,
+    log_record,
+    median_step_seconds,
+    save_state,
+    set_rng_state,
+)
 
 
 @dataclass
@@ -112,133 +86,6 @@ class TrainResult:
     losses: list[float]
     out: Path
     exported: bool
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def make_model(recipe: Recipe, init: str | Path | None) -> DeepseekV41ForCausalLM:
-    """The recipe's preset with random weights (seeded), or the checkpoint `init` in float32."""
-    if recipe.init_from is not None:
-        if init is None:
-            raise ValueError(
-                f"recipe {recipe.name!r} starts from the {recipe.init_from!r} export; pass --init DIR"
-            )
-        model = load_model(init, dtype="float32")
-        if not isinstance(model, DeepseekV41ForCausalLM):
-            raise ValueError(f"{init} is not a DeepSeek-V4.1 checkpoint")
-        return model.train()
-    return _fresh(recipe, seed=recipe.seed)
-
-
-def _fresh(recipe: Recipe, seed: int | None = None) -> DeepseekV41ForCausalLM:
-    """The recipe's preset, randomly initialised with `seed` (None: left for a state dict)."""
-    model = DeepseekV41ForCausalLM(get_preset_v41(recipe.preset))
-    if seed is not None:
-        torch.manual_seed(seed)
-        init_weights(model, seed=seed, embed_std=recipe.embed_std, o_proj_fan_in=recipe.o_proj_fan_in)
-    return model.train()
-
-
-HC_MODULES = (HyperConnection, HyperHead)
-
-
-def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norms, sinks, biases and mixes are left alone);
-    the mHC mixing parameters run at ``recipe.hc_lr_scale`` times the rate, without decay. Each
-    group's ``lr_scale`` multiplies the schedule's rate (see :func:`set_lr`)."""
-    hc_ids = {id(p) for m in model.modules() if isinstance(m, HC_MODULES) for p in m.parameters()}
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {
-            "params": [p for p in params if id(p) not in hc_ids and p.dim() >= 2],
-            "weight_decay": recipe.weight_decay,
-        },
-        {"params": [p for p in params if id(p) not in hc_ids and p.dim() < 2], "weight_decay": 0.0},
-        {
-            "params": [p for p in params if id(p) in hc_ids],
-            "weight_decay": 0.0,
-            "lr_scale": recipe.hc_lr_scale,
-        },
-    ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr, betas=recipe.betas, eps=1e-8)
-
-
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    """The schedule's rate `lr` times each parameter group's ``lr_scale`` (default 1)."""
-    for group in opt.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
-    """Atomically write model, optimiser, RNG states and `meta` (step, timing, recipe)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(), **meta}, tmp)
-    os.replace(tmp, path)
-
-
-class _StopOnSigterm:
-    """While installed (main thread only), SIGTERM sets ``requested`` instead of killing, so the
-    loop can save its state at the end of the current step and return."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
-def _log(out: Path, record: dict[str, Any]) -> None:
-    with (out / "train_log.jsonl").open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def median_step_seconds(out: Path, recipe: Recipe) -> dict[str, float]:
-    """Per phase, the median time of a logged step in OUT/train_log.jsonl (the last record of a
-    step counts: a resumed run logs again the steps it redid). Unlike the sum of step times, it
-    does not count a step that ran while the process was stopped or the machine was busy."""
-    path = out / "train_log.jsonl"
-    if not path.exists():
-        return {}
-    last: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("tokens_per_s"):
-            last[record["step"]] = record
-    phases = {p.name: p for p in recipe.phases}
-    times: dict[str, list[float]] = {}
-    for record in last.values():
-        phase = phases.get(record.get("phase", ""))
-        if phase is not None:
-            times.setdefault(phase.name, []).append(phase.batch * phase.seq_len / record["tokens_per_s"])
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def train(
@@ -294,7 +141,7 @@ def train(
     if cold is not None:
         model = load_model(cold, dtype="float32").train()
     else:
-        model = _fresh(recipe) if continuing else make_model(recipe, init)
+        model = fresh_model(recipe) if continuing else make_model(recipe, init)
     model = model.to(dev)
     spec = ModelSpec.from_config(model.config)
     opt = make_optimizer(model, recipe)
@@ -311,20 +158,20 @@ def train(
         stage_seconds = dict(info.get("stage_seconds", {}))
         cold_from = step
         torch.manual_seed(recipe.seed + step)
-        _log(out, {"step": step, "cold_resume": str(cold), "stage": info.get("stage")})
+        log_record(out, {"step": step, "cold_resume": str(cold), "stage": info.get("stage")})
     elif continuing:
         state = torch.load(state_path, map_location=dev, weights_only=False)
         if state["recipe"] != recipe.name:
             raise ValueError(f"{state_path} belongs to recipe {state['recipe']!r}, not {recipe.name!r}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         step, seconds, tokens = state["step"], state["seconds"], state["tokens"]
         stage_seconds = dict(state.get("stage_seconds", {}))
         cold_from = state.get("cold_from")
     else:
         torch.manual_seed(recipe.seed)
-    _log(out, {"step": step, "kernels": settings.kernels, "precision": settings.precision})
+    log_record(out, {"step": step, "kernels": settings.kernels, "precision": settings.precision})
     (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")  # what this code runs
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
@@ -334,7 +181,7 @@ def train(
         ahead = [e for e in recipe.stage_ends if e > step]
         end = min(end, ahead[min(stages, len(ahead)) - 1] if ahead and stages > 0 else step)
     losses: list[float] = []
-    stop = _StopOnSigterm()
+    stop = StopOnSigterm()
     last_save = time.monotonic()
     bar = tqdm(total=end, initial=step, disable=not progress, desc=f"train {recipe.name}", unit="step")
     try:
@@ -362,10 +209,10 @@ def train(
             if step % recipe.log_every == 0 or step == end:
                 record = {"step": step, "phase": phase.name, "lr": lr, **parts, "grad_norm": grad_norm}
                 record.update({"tokens_per_s": batch.tokens / dt, "seconds": seconds, "tokens": tokens})
-                _log(out, record)
+                log_record(out, record)
             if recipe.quick_eval is not None and recipe.eval_every and step % recipe.eval_every == 0:
                 quick = evaluate(model, corpus["heldout"], recipe.quick_eval)
-                _log(out, {"step": step, "eval": _summary(quick)})
+                log_record(out, {"step": step, "eval": _summary(quick)})
                 bar.write(f"step {step}: " + json.dumps(_summary(quick)))
             due = time.monotonic() - last_save >= checkpoint_seconds
             if step % recipe.checkpoint_every == 0 or step == end or due or stop.requested:
@@ -387,7 +234,7 @@ def train(
                 write_stage(model, out / STAGE_DIR, recipe, info, shard_bytes)
                 if ship and shipped_dir(recipe) is not None:
                     ship_stage(out / STAGE_DIR, shipped_dir(recipe))  # type: ignore[arg-type]
-                _log(out, {"step": step, "stage_end": stage, "stage_seconds": stage_seconds[str(stage)]})
+                log_record(out, {"step": step, "stage_end": stage, "stage_seconds": stage_seconds[str(stage)]})
                 bar.write(f"stage {stage} ended at step {step}: checkpoint in {out / STAGE_DIR}")
             if stop.requested:
                 bar.write(f"SIGTERM: state saved at step {step}; resume with --resume")
@@ -532,7 +379,7 @@ def evaluate_only(
         model = load_model(out, dtype="float32").to(dev)
     elif (out / STATE).exists():
         state = torch.load(out / STATE, map_location=dev, weights_only=False)
-        model = _fresh(recipe).to(dev)
+        model = fresh_model(recipe).to(dev)
         model.load_state_dict(state["model"])
     else:
         raise FileNotFoundError(f"{out} holds neither an export nor {STATE}")

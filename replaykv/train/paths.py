@@ -20,7 +20,7 @@ and optional cut c (architecture §6, §13):
 
 Rows after P are the follow-up's decode steps: decode never reads a window below the prefill's
 floor, so they run inside the plan's last segments (`extend`). Not for: choosing plans (see
-:mod:`replaykv.replay`) or the optimiser (see :mod:`replaykv.train.loop`).
+:mod:`replaykv.replay`) or the optimiser (see :mod:`replaykv.train.setup`).
 """
 
 from __future__ import annotations

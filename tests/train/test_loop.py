@@ -24,9 +24,9 @@ from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import CacheState, plan_prefill
-from replaykv.train import cli, loop
+from replaykv.train import cli, loop, setup
 from replaykv.train.data import MixtureSampler
-from replaykv.train.loop import accumulate_gradients, evaluate_only, median_step_seconds, train
+from replaykv.train.loop import accumulate_gradients, evaluate_only, train
 from replaykv.train.paths import (
     REPLAY_FLAGS,
     CacheGuard,
@@ -39,6 +39,7 @@ from replaykv.train.paths import (
     weighted_ce,
 )
 from replaykv.train.recipes import EvalSpec, Mixture, Paths, Phase, tiny
+from replaykv.train.state import median_step_seconds
 
 
 def _mini(steps: int = 4, **changes):  # type: ignore[no-untyped-def]
@@ -351,10 +352,10 @@ def test_weighted_ce_is_the_weighted_mean_of_the_token_losses() -> None:
 def test_mhc_mixes_get_their_own_rate_without_weight_decay() -> None:
     model = _model(quant=False)
     recipe = dataclasses.replace(tiny(), hc_lr_scale=0.1)
-    opt = loop.make_optimizer(model, recipe)
-    hc = {id(p) for m in model.modules() if isinstance(m, loop.HC_MODULES) for p in m.parameters()}
+    opt = setup.make_optimizer(model, recipe)
+    hc = {id(p) for m in model.modules() if isinstance(m, setup.HC_MODULES) for p in m.parameters()}
     assert hc and sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
-    loop.set_lr(opt, 2e-3)
+    setup.set_lr(opt, 2e-3)
     for group in opt.param_groups:
         ids = {id(p) for p in group["params"]}
         if ids & hc:
@@ -371,7 +372,7 @@ def test_mhc_mixes_get_their_own_rate_without_weight_decay() -> None:
 def test_a_fresh_model_draws_its_embeddings_and_output_projections_at_the_recipe_scales() -> None:
     recipe = dataclasses.replace(tiny(), embed_std=0.7)
     assert recipe.o_proj_fan_in
-    model = loop._fresh(recipe, seed=3)
+    model = setup.fresh_model(recipe, seed=3)
     assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.7, rel=0.02)
     assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.02)  # matrices keep 0.02
     for layer in model.model.layers:
@@ -390,7 +391,7 @@ def test_a_fresh_model_draws_its_embeddings_and_output_projections_at_the_recipe
             assert torch.allclose(p, same[name] * (p.shape[1] ** -0.5 / 0.02)), name
         else:
             assert torch.equal(p, same[name]), name
-    off = loop._fresh(dataclasses.replace(recipe, o_proj_fan_in=False), seed=3)
+    off = setup.fresh_model(dataclasses.replace(recipe, o_proj_fan_in=False), seed=3)
     for name, p in off.named_parameters():
         if "embed_tokens" not in name:
             assert torch.equal(p, same[name]), name
