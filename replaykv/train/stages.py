@@ -89,6 +89,7 @@ def write_stage(
         **info,
     }
     (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (tmp / "MODEL_CARD.md").write_text(stage_card(recipe, record, None, []))  # until --bar scores it
     directory.parent.mkdir(parents=True, exist_ok=True)
     old = directory.with_name(directory.name + ".old")
     if old.exists():
@@ -102,11 +103,12 @@ def write_stage(
 
 
 def ship_stage(source: Path, target: Path) -> None:
-    """Copy a stage checkpoint's files into the package directory `target`, keeping its card
-    and metrics when the stage is the one they describe."""
+    """Copy a stage checkpoint's files into the package directory `target`. Files of the
+    previous checkpoint that the new one lacks go: weights sharded otherwise, and a bar.json
+    that scored another stage (the new stage's card then says it is not scored yet)."""
     target.mkdir(parents=True, exist_ok=True)
-    for stale in [*target.glob("model*.safetensors"), target / INDEX_FILE]:
-        if not (source / stale.name).exists():  # from a checkpoint sharded otherwise
+    for stale in [*target.glob("model*.safetensors"), target / INDEX_FILE, target / BAR_FILE]:
+        if not (source / stale.name).exists():
             stale.unlink(missing_ok=True)
     for f in source.iterdir():
         if f.is_file():
@@ -167,8 +169,11 @@ def evaluate_stage(
     return result
 
 
-def stage_card(recipe: Recipe, info: dict[str, Any], result: dict[str, Any], table: list[str]) -> str:
-    """MODEL_CARD.md of a stage checkpoint: what it is, how far training got, the bar's table."""
+def stage_card(
+    recipe: Recipe, info: dict[str, Any], result: dict[str, Any] | None, table: list[str]
+) -> str:
+    """MODEL_CARD.md of a stage checkpoint: what it is, how far training got, the bar's table
+    (`result` None: not scored yet)."""
     stage_times = ", ".join(
         f"stage {k}: {v / 60:.0f} min" for k, v in sorted(info.get("stage_seconds", {}).items())
     )
@@ -181,6 +186,16 @@ def stage_card(recipe: Recipe, info: dict[str, Any], result: dict[str, Any], tab
         f"torch {info.get('torch', '?')}). Mean training loss over the stage's last 20 steps: "
         f"{info.get('final_loss', float('nan')):.3f}.",
         "",
+    ]
+    if result is None:
+        lines += [
+            "Not scored on the shipping bar yet (`replaykv train --recipe "
+            f"{recipe.name} --out DIR --bar`); until it is, `replaykv serve` does not load it unless "
+            "named with --model.",
+            "",
+        ]
+        return "\n".join(lines)
+    lines += [
         f"Rung {result['rung']} of the shipping bar"
         + (
             " — below rung 1 this checkpoint is here so that training can continue on another machine "

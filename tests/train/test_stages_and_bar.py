@@ -84,8 +84,11 @@ def test_a_sharded_stage_checkpoint_ships_over_a_single_file_one_and_a_bare_mach
     shipped = tmp_path / "weights"
     shipped.mkdir()
     (shipped / "model.safetensors").write_bytes(b"an earlier single-file checkpoint")
+    (shipped / "bar.json").write_text('{"rung": 1, "stage": {"stage": 0}}')
     stages.ship_stage(out / "stage", shipped)
-    assert not (shipped / "model.safetensors").exists()
+    assert not (shipped / "model.safetensors").exists() and not (shipped / "bar.json").exists()
+    card = (shipped / "MODEL_CARD.md").read_text()
+    assert "stage 1 of 2" in card and "Not scored on the shipping bar yet" in card
     assert [f.name for f in weight_files(shipped)] == [f.name for f in files]
     bare = loop.train(
         recipe, tmp_path / "bare", resume=True, from_stage=shipped, corpus=corpus, progress=False,
