@@ -142,7 +142,7 @@ def joint_attention(
     # backward than W-row reads per query, the same result up to float rounding. Without (every
     # engine path), each query reads exactly its own W rows.
     band = torch.is_grad_enabled() and (q.requires_grad or win_keys.requires_grad)
-    dense_ok = band and fused.enabled()  # a training-only form (replaykv.model.fused)
+    fused_blocks = band and fused.enabled()  # the training-only forms (replaykv.model.fused)
     if band:  # [Q, Q+W-1]: True where row j lies outside query i's window rows [i, i + W - 1]
         rows = torch.arange(q_step + w - 1, device=q.device)
         outside = (rows < rows[:q_step, None]) | (rows >= rows[:q_step, None] + w)
@@ -150,6 +150,15 @@ def joint_attention(
         i1 = min(s, i0 + q_step)
         nq = i1 - i0
         qb = q[:, i0:i1]  # [B, Q, H, D]
+        if fused_blocks:  # training with the fused forms: the block as one compiled function
+            kw = win_keys[:, i0 : i1 + w - 1]
+            band_out = outside[:nq, : nq + w - 1]
+            mask = band_out[None] if all_ok else band_out[None] | ~key_ok[:, None, i0 : i1 + w - 1]
+            kc, entry_masked, gathered = _block_entries(
+                qb, step, entries, limit, ratio, selection, i0, i1, n_sel
+            )
+            out[:, i0:i1] = fused.attend_block(qb, kw, mask, sink, kc, entry_masked, scale, gathered)
+            continue
         if band:
             kw = win_keys[:, i0 : i1 + w - 1]  # [B, Q+W-1, D]
             lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).float().mul_(scale)
@@ -167,7 +176,6 @@ def joint_attention(
                 lw = lw.masked_fill_(~ok[:, :, None], float("-inf"))
         mx = torch.maximum(lw.amax(dim=-1), sink)  # [B, Q, H]
         lc = kc = None
-        dense_sel = False
         if entries is not None and limit is not None:
             if selection is None:
                 n = step.visible_entries(ratio, i1 - 1)
@@ -177,18 +185,6 @@ def joint_attention(
                 if n and (nq > 1 or b > 1):
                     vis = torch.arange(n, device=q.device) < limit[:, i0:i1, None]  # [B, Q, N]
                     lc = lc.masked_fill_(~vis[:, :, None], float("-inf"))
-            elif dense_ok and step.visible_entries(ratio, i1 - 1) <= _DENSE_SELECTION * n_sel:
-                # Training, few visible entries: score them all in one GEMM and mask the ones not
-                # selected (the same sum; per-query gathers of k keys cost more below this size,
-                # mostly in the backward's per-query products over the heads).
-                n = step.visible_entries(ratio, i1 - 1)
-                sel = selection[:, i0:i1]
-                picked = torch.zeros(b, nq, n + 1, dtype=torch.bool, device=q.device)
-                picked = picked.scatter_(-1, sel.masked_fill(sel < 0, n), True)[..., :n]
-                kc = entries[:, :n]
-                lc = torch.matmul(qb.reshape(b, nq * h, d), kc.transpose(1, 2)).view(b, nq, h, n).float()
-                lc = lc.mul_(scale).masked_fill_(~picked[:, :, None], float("-inf"))
-                dense_sel = True
             else:
                 sel = selection[:, i0:i1]
                 kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d))
@@ -206,12 +202,48 @@ def joint_attention(
         if lc is not None and kc is not None and lc.shape[-1]:
             pc = torch.exp(lc - mx[..., None])
             den = den + pc.sum(dim=-1)
-            if selection is None or dense_sel:
+            if selection is None:
                 o = o + torch.matmul(cast(pc, q.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
             else:
                 o = o + torch.bmm(cast(pc, q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
         out[:, i0:i1] = o / cast(den[..., None], q.dtype)
     return out
+
+
+def _block_entries(
+    qb: torch.Tensor,
+    step: Step,
+    entries: torch.Tensor | None,
+    limit: torch.Tensor | None,
+    ratio: int,
+    selection: torch.Tensor | None,
+    i0: int,
+    i1: int,
+    n_sel: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """The compressed entries a training block of queries [i0, i1) reads, with their mask (True:
+    not read) and whether they are gathered per query: all visible entries of a dense layer; of a
+    sparse layer the visible ones masked to the selection while they number at most
+    `_DENSE_SELECTION` times the selected, else each query's selected entries gathered."""
+    if entries is None or limit is None:
+        return None, None, False
+    b, nq, d = qb.shape[0], i1 - i0, entries.shape[-1]
+    n = step.visible_entries(ratio, i1 - 1)
+    if selection is None or n <= _DENSE_SELECTION * n_sel:
+        if n == 0:
+            return None, None, False
+        if selection is None:
+            masked = torch.arange(n, device=qb.device) >= limit[:, i0:i1, None]  # [B, Q, N]
+        else:
+            sel = selection[:, i0:i1]
+            picked = torch.zeros(b, nq, n + 1, dtype=torch.bool, device=qb.device)
+            masked = ~picked.scatter_(-1, sel.masked_fill(sel < 0, n), True)[..., :n]
+        return entries[:, :n], masked, False
+    sel = selection[:, i0:i1]
+    if sel.shape[-1] == 0:
+        return None, None, False
+    kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d)).view(b * nq, -1, d)
+    return kc, sel < 0, True
 
 
 def grouped_projection(o: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:

@@ -101,8 +101,51 @@ def _expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
     return new
 
 
+def _attend_block(
+    qb: torch.Tensor,
+    kw: torch.Tensor,
+    win_masked: torch.Tensor,
+    sink: torch.Tensor,
+    kc: torch.Tensor | None,
+    entry_masked: torch.Tensor | None,
+    scale: float,
+    gathered: bool,
+) -> torch.Tensor:
+    """One block of `joint_attention`'s training form: queries qb [B, Q, H, D] against their
+    2W - 1 window rows kw [B, Q+W-1, D] (win_masked [B|1, Q, Q+W-1]: True outside a query's
+    window) and compressed entries kc, either shared by the block ([B, N, D]) or gathered per
+    query ([B·Q, K, D], `gathered`), entry_masked [B, Q, N|K]; one softmax with the sink."""
+    b, nq, h, d = qb.shape
+    lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).float() * scale
+    lw = lw.view(b, nq, h, -1).masked_fill(win_masked[:, :, None], float("-inf"))
+    mx = torch.maximum(lw.amax(dim=-1), sink)
+    lc = None
+    if kc is not None and entry_masked is not None:
+        if gathered:
+            lc = torch.bmm(qb.reshape(b * nq, h, d), kc.transpose(1, 2))
+        else:
+            lc = torch.matmul(qb.reshape(b, nq * h, d), kc.transpose(1, 2))
+        lc = (lc.view(b, nq, h, -1).float() * scale).masked_fill(entry_masked[:, :, None], float("-inf"))
+        mx = torch.maximum(mx, lc.amax(dim=-1))
+    pw = torch.exp(lw - mx[..., None])
+    den = pw.sum(dim=-1) + torch.exp(sink - mx)
+    o = torch.matmul(pw.to(qb.dtype).view(b, nq * h, -1), kw).view(b, nq, h, d)
+    if lc is not None and kc is not None:
+        pc = torch.exp(lc - mx[..., None])
+        den = den + pc.sum(dim=-1)
+        if gathered:
+            o = o + torch.bmm(pc.to(qb.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
+        else:
+            o = o + torch.matmul(pc.to(qb.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
+    return o / den[..., None].to(o.dtype)
+
+
 _HALF = (torch.bfloat16, torch.float16)
-_EAGER: dict[str, Callable[..., Any]] = {"mix_collapse": _mix_collapse, "expand": _expand}
+_EAGER: dict[str, Callable[..., Any]] = {
+    "mix_collapse": _mix_collapse,
+    "expand": _expand,
+    "attend_block": _attend_block,
+}
 
 
 def _compiled(name: str) -> Callable[..., Any]:
@@ -112,10 +155,12 @@ def _compiled(name: str) -> Callable[..., Any]:
     return fns[name]
 
 
-def _call(name: str, *args: Any) -> Any:
-    # The mixes and the residual streams stay float32 under autocast (bf16 products elsewhere).
-    args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _HALF else a for a in args)
+def _call(name: str, *args: Any, full_precision: bool = True) -> Any:
     try:
+        if not full_precision:
+            return _compiled(name)(*args)
+        # The mixes and the residual streams stay float32 under autocast.
+        args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _HALF else a for a in args)
         with torch.autocast(args[0].device.type, enabled=False):
             return _compiled(name)(*args)
     except Exception as exc:  # a missing compiler surfaces here, at the first call
@@ -142,3 +187,24 @@ def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     """hc_expand's value, fused."""
     new: torch.Tensor = _call("expand", streams, out, post, comb)
     return new
+
+
+def attend_block(
+    qb: torch.Tensor,
+    kw: torch.Tensor,
+    win_masked: torch.Tensor,
+    sink: torch.Tensor,
+    kc: torch.Tensor | None,
+    entry_masked: torch.Tensor | None,
+    scale: float,
+    gathered: bool,
+) -> torch.Tensor:
+    """A training block of joint attention, fused (products under the caller's autocast)."""
+    # Contiguous inputs: slices of longer tensors keep their parents' strides, which compiled
+    # graphs with dynamic shapes guard on.
+    kc = None if kc is None else kc.contiguous()
+    out: torch.Tensor = _call(
+        "attend_block", qb.contiguous(), kw.contiguous(), win_masked.contiguous(), sink, kc,
+        entry_masked, scale, gathered, full_precision=False,
+    )  # fmt: skip
+    return out
