@@ -2,7 +2,7 @@
 and achieved GFLOP/s against torch.mm's peak measured in the same run.
 
     OMP_NUM_THREADS=2 python bench/bench_train.py --recipe small --phase base --repeats 5
-    python bench/bench_train.py --recipe small --phase base --write docs/benchmarks.md
+    python bench/bench_train.py --recipe small --phase base,4k --repeats 3 --write docs/benchmarks.md
 
 Settings (rounds interleave them, so drift on a shared machine hits each alike):
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import platform
 import statistics
 import sys
 import time
@@ -111,47 +112,68 @@ def count_flops(step: Callable[[str], float]) -> int:
     return int(counter.get_total_flops())
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the vector kernels torch picked (they set speed and rounding)."""
+    name = platform.processor() or "CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()} kernels"
+
+
+def time_phase(
+    recipe: str, phase: str, settings: list[str], repeats: int, micro_batch: int | None
+) -> tuple[dict[str, list[float]], int, int]:
+    """Step times per setting (rounds interleaved), the batch's tokens and its counted FLOPs."""
+    step, tokens = make_step(recipe, phase, micro_batch)
+    flops = count_flops(step)
+    for s in settings:  # warm-up: first-touch allocation, kernel selection, compilation
+        step(s)
+    times: dict[str, list[float]] = {s: [] for s in settings}
+    for r in range(repeats):
+        for s in settings if r % 2 == 0 else settings[::-1]:
+            times[s].append(step(s))
+    return times, tokens, flops
+
+
 def main() -> int:
     reexec_keeping_freed_memory()
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="small")
-    ap.add_argument("--phase", default="base", help="the recipe phase whose batch shape is timed")
-    ap.add_argument("--settings", default="float32,bf16")
+    ap.add_argument("--phase", default="base", help="recipe phases whose batch shapes are timed (comma-separated)")
+    ap.add_argument("--settings", default="float32,fused,fused-bf16")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (each runs every setting once)")
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--write", default="", help="docs/benchmarks.md: replace this bench's section")
     args = ap.parse_args()
     settings = args.settings.split(",")
-    step, tokens = make_step(args.recipe, args.phase, args.micro_batch)
-    flops = count_flops(step)
-    for s in settings:  # warm-up: first-touch allocation and kernel selection
-        step(s)
-    times: dict[str, list[float]] = {s: [] for s in settings}
-    for r in range(args.repeats):
-        order = settings if r % 2 == 0 else settings[::-1]
-        for s in order:
-            times[s].append(step(s))
+    for s in settings:
+        _setting(s)  # unknown names fail before anything runs
+    results = {ph: time_phase(args.recipe, ph, settings, args.repeats, args.micro_batch) for ph in args.phase.split(",")}
     peaks = {"float32": mm_peak(torch.float32), "bf16": mm_peak(torch.bfloat16)}
-    base = statistics.median(times[settings[0]])
     lines = [
         "<!-- bench_train:begin -->",
         f"`python bench/bench_train.py --recipe {args.recipe} --phase {args.phase} "
         f"--settings {args.settings} --repeats {args.repeats}`, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}: one optimiser step of {tokens:,} tokens "
-        f"({flops / 1e9:.1f} GFLOP of matrix products, counted once), rounds interleaved; torch.mm peak in the "
-        f"same run {peaks['float32']:.0f} GFLOP/s float32, {peaks['bf16']:.0f} GFLOP/s bf16.",
+        f"{torch.get_num_threads()} threads, torch {torch.__version__} ({cpu_name()}); rounds interleaved; "
+        f"torch.mm peak in the same run {peaks['float32']:.0f} GFLOP/s float32, {peaks['bf16']:.0f} GFLOP/s "
+        "bf16. GFLOP/s counts the matrix products of a step (once, by FlopCounterMode) over its median time.",
         "",
-        "| setting | step s (min / median) | tokens/s (median) | × float32 | GFLOP/s | share of its mm peak |",
-        "|---|---|---|---|---|---|",
+        "| phase (tokens, GFLOP) | setting | step s (min / median) | tokens/s (median) | × float32 | GFLOP/s | share of its mm peak |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for s in settings:
-        med, low = statistics.median(times[s]), min(times[s])
-        gflops = flops / med / 1e9
-        peak = peaks.get(s, peaks["float32"])
-        lines.append(
-            f"| {s} | {low:.2f} / {med:.2f} | {tokens / med:,.0f} | {base / med:.2f} | {gflops:.1f} | "
-            f"{100 * gflops / peak:.0f}% |"
-        )
+    for phase, (times, tokens, flops) in results.items():
+        base = statistics.median(times[settings[0]])
+        for s in settings:
+            med, low = statistics.median(times[s]), min(times[s])
+            gflops = flops / med / 1e9
+            peak = peaks["bf16" if "bf16" in s else "float32"]
+            lines.append(
+                f"| {phase} ({tokens:,}, {flops / 1e9:.0f}) | {s} | {low:.2f} / {med:.2f} | {tokens / med:,.0f} | "
+                f"{base / med:.2f} | {gflops:.1f} | {100 * gflops / peak:.0f}% |"
+            )
     lines.append("<!-- bench_train:end -->")
     print("\n".join(lines))
     if args.write:
