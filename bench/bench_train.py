@@ -140,6 +140,10 @@ def time_phase(
 
 def main() -> int:
     reexec_keeping_freed_memory()
+    # The rounds alternate autocast on and off, and each switch is a guard failure of every
+    # compiled function: past dynamo's default of 8 entries the fused attention block would fall
+    # back to eager for the rest of the run (a training run keeps one setting).
+    torch._dynamo.config.recompile_limit = 64
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="small")
     ap.add_argument("--phase", default="base", help="recipe phases whose batch shapes are timed (comma-separated)")
