@@ -18,6 +18,8 @@ The forward is split so that replay can run any layer range over any token range
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -213,18 +215,38 @@ class AttentionV41(nn.Module):
 
     def _compress(self, x: torch.Tensor, step: Step, cache: LayerCacheView) -> None:
         """New groups -> index keys (from the pre-RoPE latents) and FP4 entries at position g·r."""
-        assert self.compressor is not None and cache.entries is not None and cache.index_keys is not None
+        assert self.compressor is not None
         latents, first, count = self.compressor.pool(x, step, cache.carry)
-        if latents.shape[1] == 0:
-            return
-        groups = torch.tensor(first, device=x.device)[:, None] + torch.arange(
-            latents.shape[1], device=x.device
-        )
-        cos, sin = step.rope.at("compress", groups * self.ratio)
-        if self.indexer is not None and self.indexer.owns_keys:
-            scatter_entries(cache.index_keys, self.indexer.keys(latents, cos, sin), first, count)
-        rotated = fp4_entry_fake_quant(apply_rope(latents, cos, sin), enabled=self.quant)
-        scatter_entries(cache.entries, rotated, first, count)
+        keys = self.indexer.keys if self.indexer is not None and self.indexer.owns_keys else None
+        publish_groups(latents, first, count, self.ratio, self.quant, keys, step, cache)
+
+
+def publish_groups(
+    latents: torch.Tensor,
+    first: list[int],
+    count: list[int],
+    ratio: int,
+    quant: bool,
+    keys: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    step: Step,
+    cache: LayerCacheView,
+) -> None:
+    """A KV source's new groups into its group's caches: FP4 entries (RoPE at position g·r) and,
+    with `keys` (the source indexer's key function), the index keys. latents [B, G, D] pre-RoPE;
+    row b's latents [0, count[b]) are groups first[b] + [0, count[b]). Any holder of the latents
+    can run this: the source layer itself, or a later pipeline stage rebuilding the group's
+    caches from latents it received (with a replica of the key function)."""
+    assert cache.entries is not None and cache.index_keys is not None
+    if latents.shape[1] == 0:
+        return
+    groups = torch.tensor(first, device=latents.device)[:, None] + torch.arange(
+        latents.shape[1], device=latents.device
+    )
+    cos, sin = step.rope.at("compress", groups * ratio)
+    if keys is not None:
+        scatter_entries(cache.index_keys, keys(latents, cos, sin), first, count)
+    rotated = fp4_entry_fake_quant(apply_rope(latents, cos, sin), enabled=quant)
+    scatter_entries(cache.entries, rotated, first, count)
 
 
 class DecoderLayerV41(nn.Module):

@@ -6,6 +6,8 @@
     replaykv train --recipe small --out models/v41-small --eval-only       # re-measure, rewrite card
     replaykv train --recipe small --out models/v41-small --resume --stages 1 --ship   # one stage
     replaykv train --recipe small --out /tmp/v41-small --device cuda --shard-size 16MiB   # on a GPU
+    replaykv train --recipe tiny --out /tmp/pp --pipeline-stages 2 --micro-batches 4 --schedule 1f1b
+    replaykv train --recipe small --out /tmp/pp --pipeline-stages 3 --stage-boundaries 4,8 --print-plan
 
 The process re-executes itself with glibc keeping freed memory (:mod:`replaykv.malloc`).
 
@@ -44,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from OUT/train_state/ (exact), else from the last stage checkpoint "
         "(OUT/stage/, or the one committed in the package) with fresh optimiser moments",
     )
-    p.add_argument("--stages", type=positive_int, default=None, help="stop after this many stage ends (default: all)")
+    p.add_argument(
+        "--stages", type=positive_int, default=None, help="stop after this many stage ends (default: all)"
+    )
     p.add_argument(
         "--from-stage", default=None, help="stage checkpoint directory to continue from (with --resume)"
     )
@@ -91,7 +95,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--bar-lengths", default=None, help="comma-separated context lengths for --bar (default: the bar's)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to OUT)")
+    pp = p.add_argument_group("pipeline parallelism (replaykv.train.pipeline)")
+    pp.add_argument(
+        "--pipeline-stages",
+        type=positive_int,
+        default=None,
+        help="train in P pipeline stages, one process each (spawned here, or started by torchrun "
+        "--nproc-per-node P); gloo on CPU, NCCL on GPUs",
+    )
+    pp.add_argument(
+        "--micro-batches", type=positive_int, default=None, help="micro-batches per step (default: P)"
+    )
+    pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    pp.add_argument(
+        "--stage-boundaries",
+        default=None,
+        help="first layer of stages 1..P-1, comma-separated (default: layers split evenly)",
+    )
+    pp.add_argument(
+        "--pipeline-payload",
+        choices=("exact", "compact"),
+        default="exact",
+        help="exact: a group's entries cross a boundary (bit-identical to one process); compact: its "
+        "latents only, entries rebuilt after the boundary (fewer bytes, equal to float rounding)",
+    )
+    pp.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the stage plan (layers, payload, shadow indexers) and exit",
+    )
     return p
+
+
+PIPELINE_UNSUPPORTED = ("ship", "from_stage", "micro_batch", "shard_size", "eval_only", "bar")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     recipe = get_recipe(args.recipe)
+    if args.pipeline_stages is not None or args.print_plan:
+        return _pipeline(recipe, args)
     try:
         if args.bar:
             return _bar(recipe, args)
@@ -139,6 +177,73 @@ def main(argv: list[str] | None = None) -> int:
         f"{recipe.name}: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s ({rate:,.0f} tokens/s); {done}"
     )
     return 0
+
+
+def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
+    from replaykv.model.presets_v41 import get_preset_v41
+    from replaykv.train.pipeline.plan import StagePlan
+    from replaykv.train.pipeline.run import PipelineArgs, launch
+
+    stages = args.pipeline_stages or 1
+    try:
+        bounds = tuple(int(x) for x in args.stage_boundaries.split(",")) if args.stage_boundaries else None
+    except ValueError:
+        print(
+            f"error: --stage-boundaries takes comma-separated layers, got {args.stage_boundaries!r}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        plan = StagePlan.build(get_preset_v41(recipe.preset), stages, bounds, args.pipeline_payload)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_plan:
+        print(plan.describe())
+        return 0
+    given = [f"--{name.replace('_', '-')}" for name in PIPELINE_UNSUPPORTED if getattr(args, name)]
+    if given:
+        print(f"error: {', '.join(given)} not implemented with --pipeline-stages", file=sys.stderr)
+        return 2
+    micro = args.micro_batches or stages
+    if args.schedule == "1f1b" and micro < stages:
+        print(f"error: the 1f1b schedule needs at least {stages} micro-batches, got {micro}", file=sys.stderr)
+        return 2
+    device = args.device if args.device != "auto" else ("cuda" if torch_cuda() else "cpu")
+    run = PipelineArgs(
+        recipe.name,
+        args.out,
+        stages,
+        micro,
+        args.schedule,
+        bounds,
+        steps=args.steps,
+        init=args.init,
+        resume=args.resume,
+        device=device,
+        threads=args.threads,
+        kernels=args.kernels,
+        precision=args.precision,
+        stage_count=args.stages,
+        payload=args.pipeline_payload,
+    )
+    try:
+        report = launch(run)
+    except (FileExistsError, FileNotFoundError, ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if report is not None:
+        print(
+            f"{recipe.name}: {stages} stages x {micro} micro-batches ({args.schedule}); median step "
+            f"{report['median_step_seconds']:.2f} s; report in {args.out}/pipeline.json"
+        )
+    return 0
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _bar(recipe: Recipe, args: argparse.Namespace) -> int:

@@ -337,9 +337,9 @@ class IndexerDistillation:
         self._losses: list[torch.Tensor] = []
         self._undo: list[Callable[[], None]] = []
         for layer in model.model.layers:
-            attn = layer.self_attn
+            attn = getattr(layer, "self_attn", None)  # None: a layer another pipeline stage holds
             idx = getattr(attn, "indexer", None)
-            if idx is None:
+            if attn is None or idx is None:
                 continue
             select, keys = idx.select, idx.keys
 

@@ -30,6 +30,7 @@ class RouterBalance:
     def __init__(self, model: nn.Module, rate: float) -> None:
         self.rate = rate
         self.counts: dict[RouterV41, torch.Tensor] = {}
+        self.paused = False  # True: forwards that are not training steps (a schedule's dry run)
         self._handles = [
             m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, RouterV41)
         ]
@@ -37,7 +38,7 @@ class RouterBalance:
     def _hook(
         self, module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.paused:
             return
         assert isinstance(module, RouterV41)
         n = module.e_score_correction_bias.shape[0]

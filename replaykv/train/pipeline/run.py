@@ -1,0 +1,506 @@
+"""Pipeline-parallel training: `replaykv train --pipeline-stages P` on torch.distributed.
+
+One process per stage (gloo on CPU, NCCL on GPUs), launched by `torchrun --nproc-per-node P`
+or by the built-in spawner (:func:`launch`). The schedules are torch.distributed.pipelining's
+(`ScheduleGPipe`, `Schedule1F1B`) over :class:`~replaykv.train.pipeline.stage.StageModule`;
+what they lack for CSA2 is added around them:
+
+* the extended payload and the shadow indexers (:mod:`replaykv.train.pipeline.plan`);
+* gradient aggregation and parameter sync of the shadows: after each step's backward the
+  replicas' gradients are summed with the owner's over a process group of the stages holding
+  the component, the owner's optimizer steps, and the owner's values are broadcast back;
+* gradient clipping by the norm over every stage's own parameters (an all-reduce of the
+  squared norms: the same clip as a single process);
+* the indexer KL of every stage carried into the backward (:class:`~.stage.AuxLoss`);
+* checkpoints: the stages' state dicts are gathered on stage 0 into one Hugging Face-format
+  model (stage checkpoints at the recipe's stage ends, and OUT/ at the end), which a
+  single-process run and `replaykv serve` load unchanged; a pipeline run starts from any such
+  checkpoint (`--init`, or `--resume` from a stage checkpoint: fresh AdamW moments and the
+  recipe's re-warm-up, as a single-process cold resume).
+
+Pipeline runs train the recipe's full path (every layer over every row); phases that put loss
+on the follow-up paths (decoder or bounded replay) are refused by name. Not for: the stage plan
+(:mod:`.plan`) or one stage's forward (:mod:`.stage`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from replaykv.model.checkpoint import load_model
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.train.data import MixtureSampler, load_corpus
+from replaykv.train.paths import weighted_ce
+from replaykv.train.pipeline.plan import RESIDUAL_FIELDS, StagePlan
+from replaykv.train.pipeline.stage import ShadowIndexer, StageModule, indexer_of, key_parameters
+from replaykv.train.recipes import Recipe, get_recipe
+from replaykv.train.setup import (
+    RouterBalance,
+    fresh_model,
+    make_model,
+    make_optimizer,
+    resolve_device,
+    set_lr,
+)
+from replaykv.train.speed import StepSettings
+from replaykv.train.stages import STAGE_DIR, cold_start, read_stage, rewarmed_lr, save_export, write_stage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+REPORT = "pipeline.json"
+
+
+@dataclass(frozen=True)
+class PipelineArgs:
+    """Everything a stage process needs (picklable: the spawner sends it to each process)."""
+
+    recipe: str
+    out: str
+    stages: int
+    micro_batches: int
+    schedule: str = "1f1b"
+    boundaries: tuple[int, ...] | None = None
+    steps: int | None = None
+    init: str | None = None
+    resume: bool = False
+    device: str = "cpu"
+    threads: int | None = None
+    kernels: str = "eager"
+    precision: str = "float32"
+    stage_count: int | None = None  # stop after this many stage ends (as `--stages`)
+    payload: str = "exact"  # how a group's state crosses a boundary (see plan.py)
+    save: bool = True
+    # Test hooks: a recipe object instead of a name, and a path prefix each rank writes its
+    # first step's gradients, its copy of every shared key projection after each step and its
+    # final float32 parameters to (PREFIX.rankR).
+    recipe_obj: Recipe | None = None
+    dump_to: str | None = None
+
+    def get_recipe(self) -> Recipe:
+        return self.recipe_obj if self.recipe_obj is not None else get_recipe(self.recipe)
+
+
+class WeightedLoss:
+    """The full-path loss of one micro-batch weighted by its share of the whole batch's target
+    weight, as the single-process step weighs it (the same expression, so the same rounding):
+    the micro-batches' losses sum to the batch loss (`scale_grads=False`)."""
+
+    def __init__(self) -> None:
+        self.total = torch.ones(())  # the batch's target weight, set before each step
+        self.weight = 1.0  # the phase's weight of the full path
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        logits, ids = output
+        share = target[:, 1:].sum() / self.total
+        value = weighted_ce(logits[:, :-1], ids[:, 1:], target[:, 1:])
+        return torch.zeros((), device=logits.device) + self.weight * share * value
+
+
+class TracedStage(PipelineStage):
+    """A PipelineStage that times its forward and backward chunks and records the shared-state
+    trace after each backward."""
+
+    def __init__(self, module: StageModule, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        self.stage_module = module
+        self.busy = 0.0
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        self.stage_module.micro = fwd_chunk_id
+        try:
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.stage_module.micro = -1
+        self.busy += time.perf_counter() - t0
+        # Only the last stage's output is used by the schedule (for the loss); the schedule
+        # keeps what this returns in a local until its next forward, past the backward.
+        return out if self.is_last else None
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        """The schedule keeps a send's handle (and the handle its tensor) until its next batch of
+        transfers, after the micro-batch's backward; the shared-state fields are therefore sent
+        from a copy (a send buffer) so that the state itself goes with the backward."""
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if len(ops) <= len(RESIDUAL_FIELDS):
+            return ops
+        return ops[: len(RESIDUAL_FIELDS)] + [
+            dist.P2POp(op.op, op.tensor.clone(), op.peer, op.group, op.tag)
+            for op in ops[len(RESIDUAL_FIELDS) :]
+        ]
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self.busy += time.perf_counter() - t0
+        self.stage_module.trace.record("backward", bwd_chunk_id)
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(args: PipelineArgs) -> dict[str, Any] | None:
+    """Run the pipeline: in this process when torchrun started it (RANK / WORLD_SIZE set), else
+    in `args.stages` spawned processes. Returns stage 0's report (None on other torchrun ranks)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.stages:
+            raise ValueError(f"torchrun started {world} processes for {args.stages} pipeline stages")
+        return worker(int(os.environ["RANK"]), args)
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    mp.spawn(_spawned, args=(args,), nprocs=args.stages, join=True)
+    report = Path(args.out) / REPORT
+    return json.loads(report.read_text()) if report.exists() else None
+
+
+def _spawned(rank: int, args: PipelineArgs) -> None:
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.stages)
+    worker(rank, args)
+
+
+def _check_recipe(recipe: Recipe) -> None:
+    for phase in recipe.phases:
+        if phase.paths.decoder_replay > 0:
+            raise NotImplementedError(
+                f"pipeline-parallel training of the follow-up paths (decoder replay, bounded replay) is "
+                f"not implemented: phase {phase.name!r} of recipe {recipe.name!r} puts loss on them; "
+                "train it in one process"
+            )
+
+
+def _starting_model(
+    args: PipelineArgs, recipe: Recipe, out: Path
+) -> tuple[DeepseekV41ForCausalLM, dict[str, Any]]:
+    """The weights every stage starts from (the same on every rank) and the counters."""
+    if args.resume:
+        cold = cold_start(recipe, out, None)
+        if cold is None:
+            raise FileNotFoundError(
+                f"nothing to resume: no stage checkpoint of recipe {recipe.name!r} in {out}"
+            )
+        info = read_stage(cold) or {}
+        model = load_model(cold, dtype="float32")
+        assert isinstance(model, DeepseekV41ForCausalLM)
+        return model.train(), {
+            "step": int(info["step"]),
+            "tokens": int(info["tokens"]),
+            "seconds": float(info["seconds"]),
+            "stage_seconds": dict(info.get("stage_seconds", {})),
+            "cold_from": int(info["step"]),
+        }
+    return make_model(recipe, args.init), {
+        "step": 0,
+        "tokens": 0,
+        "seconds": 0.0,
+        "stage_seconds": {},
+        "cold_from": None,
+    }
+
+
+def worker(rank: int, args: PipelineArgs) -> dict[str, Any] | None:
+    """One stage's process: the whole training loop of that stage."""
+    recipe = args.get_recipe()
+    _check_recipe(recipe)
+    dev = resolve_device(args.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=args.stages)
+    try:
+        return _train(rank, args, recipe, dev)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> dict[str, Any] | None:
+    world = args.stages
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // world))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = StepSettings.resolve(args.kernels, args.precision, dev)
+    model, counters = _starting_model(args, recipe, out)
+    plan = StagePlan.build(model.config, world, args.boundaries, args.payload)
+    first, last = rank == 0, rank == world - 1
+    corpus = load_corpus(max_files=recipe.corpus_files) if first or last else None
+    scale = recipe.indexer_loss / args.micro_batches
+    rows = recipe.indexer_rows if recipe.indexer_loss > 0 else 0
+    module = StageModule(model, plan, rank, rows, scale).to(dev)
+    balance = RouterBalance(module.model, recipe.router_bias_rate)
+    module.balance = balance
+    opt = make_optimizer(module.model, recipe)
+    shadow_groups = _shadow_groups(plan)
+    pipe = TracedStage(module, rank, world, dev)
+    loss_fn = WeightedLoss()
+    schedule = SCHEDULES[args.schedule](pipe, args.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    from replaykv.model.spec import ModelSpec
+
+    spec = ModelSpec.from_config(model.config)
+    sampler = (
+        MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment) if corpus else None
+    )
+    step, tokens, seconds = counters["step"], counters["tokens"], counters["seconds"]
+    stage_seconds: dict[str, float] = counters["stage_seconds"]
+    end = recipe.total_steps if args.steps is None else min(args.steps, recipe.total_steps)
+    if args.stage_count is not None:
+        ahead = [e for e in recipe.stage_ends if e > step]
+        end = min(end, ahead[min(args.stage_count, len(ahead)) - 1] if ahead else step)
+    dump: dict[str, Any] = {"grads": None, "keys": [], "params": None}
+    times: list[float] = []
+    busy: list[float] = []
+    log: list[dict[str, Any]] = []
+    while step < end:
+        t0 = time.perf_counter()
+        phase = recipe.phase_at(step)
+        batch = sampler.batch(step) if sampler is not None else None
+        lr = rewarmed_lr(recipe, step, counters["cold_from"])
+        set_lr(opt, lr)
+        opt.zero_grad(set_to_none=True)
+        module.shadows.zero_grad(set_to_none=True)
+        module.trace.events.clear()
+        pipe.busy = 0.0
+        losses: list[torch.Tensor] = []
+        with settings.applied(dev):
+            if batch is not None and last:
+                loss_fn.total = batch.targets[:, 1:].to(dev).sum()
+                loss_fn.weight = phase.paths.full
+            ids = batch.ids.to(dev) if batch is not None else None
+            target = batch.targets.to(dev) if batch is not None else None
+            if first and last:
+                schedule.step(ids, target=target, losses=losses, return_outputs=False)
+            elif first:
+                schedule.step(ids, return_outputs=False)
+            elif last:
+                schedule.step(target=target, losses=losses, return_outputs=False)
+            else:
+                schedule.step(return_outputs=False)
+        _aggregate_shadows(module, plan, shadow_groups)
+        if args.dump_to is not None and dump["grads"] is None:
+            dump["grads"] = _own(module, grads=True)
+        grad_norm = _clip(module, plan, recipe.grad_clip)
+        opt.step()
+        balance.update()
+        _sync_shadows(module, plan, shadow_groups)
+        if args.dump_to is not None:
+            copies = {s: _component(module, plan, s) for s in shadow_groups}
+            dump["keys"].append(
+                {s: [t.detach().clone() for t in c] for s, c in copies.items() if c is not None}
+            )
+        step += 1
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        busy.append(pipe.busy)
+        stats = torch.tensor(
+            [float(sum(float(x.detach()) for x in losses)), float(phase.seq_len * phase.batch)]
+        )
+        dist.all_reduce(stats)  # only the last stage holds losses; stage 0 logs
+        if batch is not None and first:
+            tokens += batch.tokens
+        seconds += dt
+        key = str(recipe.stage_at(step - 1))
+        stage_seconds[key] = stage_seconds.get(key, 0.0) + dt
+        record = {
+            "step": step,
+            "phase": phase.name,
+            "lr": lr,
+            "loss": float(stats[0]),
+            "grad_norm": grad_norm,
+            "seconds": dt,
+        }
+        log.append(record)
+        if first:
+            print(f"pipeline step {step}: loss {record['loss']:.4f}, {dt:.2f} s", flush=True)
+        if args.save and step in recipe.stage_ends:
+            _checkpoint(
+                module,
+                plan,
+                recipe,
+                out / STAGE_DIR,
+                rank,
+                {
+                    "stage": recipe.stage_ends.index(step) + 1,
+                    "step": step,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "stage_seconds": stage_seconds,
+                    "final_loss": statistics.fmean(r["loss"] for r in log[-20:]),
+                },
+            )
+    balance.remove()
+    if args.dump_to is not None:
+        dump["params"] = _own(module, grads=False)
+        torch.save(dump, f"{args.dump_to}.rank{rank}")
+    if args.save and step > counters["step"]:
+        _checkpoint(module, plan, recipe, out, rank, None)
+    return _report(rank, args, plan, module, pipe, times, busy, log)
+
+
+# ---------------------------------------------------------------------------- shadows
+def _shadow_groups(plan: StagePlan) -> dict[int, Any]:
+    """One process group per shared component: its owner stage and the stages with a replica.
+    Every rank creates every group, in the same order (torch.distributed's rule)."""
+    groups: dict[int, Any] = {}
+    for s in plan.config.kv_sources:
+        reps = plan.replicas(s)
+        if reps:
+            groups[s] = dist.new_group(sorted({plan.stage_of(s), *reps}))
+    return groups
+
+
+def _component(module: StageModule, plan: StagePlan, source: int) -> list[torch.Tensor] | None:
+    """This rank's copy of source's key projection: the owner's own, or its shadow."""
+    if module.stage == plan.stage_of(source):
+        return key_parameters(indexer_of(module.model, source))
+    if str(source) in module.shadows:
+        shadow = module.shadows[str(source)]
+        assert isinstance(shadow, ShadowIndexer)
+        return key_parameters(shadow)
+    return None
+
+
+def _aggregate_shadows(module: StageModule, plan: StagePlan, groups: dict[int, Any]) -> None:
+    for s, group in groups.items():
+        params = _component(module, plan, s)
+        if params is None:
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+
+
+def _sync_shadows(module: StageModule, plan: StagePlan, groups: dict[int, Any]) -> None:
+    for s, group in groups.items():
+        params = _component(module, plan, s)
+        if params is None:
+            continue
+        for p in params:
+            dist.broadcast(p.data, src=plan.stage_of(s), group=group)
+
+
+def _clip(module: StageModule, plan: StagePlan, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ over every stage's own parameters (shadows excluded), with
+    its arithmetic: the float32 norm of the per-tensor norms in the model's parameter order
+    (stage after stage), then one clamped coefficient."""
+    grads = [p.grad for p in module.model.parameters() if p.grad is not None]
+    local = torch._foreach_norm(grads, 2.0) if grads else []
+    parts: list[Any] = [None] * plan.stages
+    dist.all_gather_object(parts, [n.detach().cpu() for n in local])
+    norms = [n for part in parts for n in part]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return float(total)
+
+
+def _own(module: StageModule, grads: bool) -> dict[str, torch.Tensor]:
+    """This stage's own gradients, or its whole state (parameters and router biases), float32
+    on the CPU."""
+    if grads:
+        named = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    else:
+        named = dict(module.model.state_dict())
+    return {n: t.detach().float().cpu().clone() for n, t in named.items()}
+
+
+# ---------------------------------------------------------------------------- checkpoints, report
+def _checkpoint(
+    module: StageModule,
+    plan: StagePlan,
+    recipe: Recipe,
+    directory: Path,
+    rank: int,
+    stage_info: dict[str, Any] | None,
+) -> None:
+    """Gather every stage's state dict on stage 0 and write one Hugging Face-format model."""
+    own = {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
+    parts: list[Any] = [None] * plan.stages if rank == 0 else []
+    dist.gather_object(own, parts if rank == 0 else None, dst=0)
+    if rank == 0:
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        full = fresh_model(recipe)
+        full.load_state_dict(merged, strict=True)
+        if stage_info is None:
+            save_export(full, directory)
+        else:
+            write_stage(full, directory, recipe, stage_info)
+    dist.barrier()
+
+
+def _report(
+    rank: int,
+    args: PipelineArgs,
+    plan: StagePlan,
+    module: StageModule,
+    pipe: TracedStage,
+    times: list[float],
+    busy: list[float],
+    log: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Stage 0 writes OUT/pipeline.json: the plan, bytes per boundary, step times, the bubble
+    fraction measured (1 - busy time / step time, per stage) and each stage's shared-state trace
+    of the last step."""
+    mine = {
+        "stage": rank,
+        "median_step_seconds": statistics.median(times) if times else None,
+        "median_busy_seconds": statistics.median(busy) if busy else None,
+        "trace": module.trace.events,
+        "sent": _boundary_bytes(module, plan, rank),
+    }
+    gathered: list[Any] = [None] * plan.stages if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    if rank != 0:
+        return None
+    step_s = max(g["median_step_seconds"] or 0.0 for g in gathered)
+    report = {
+        "recipe": args.get_recipe().name,
+        "stages": plan.stages,
+        "micro_batches": args.micro_batches,
+        "schedule": args.schedule,
+        "boundaries": list(plan.starts[1:]),
+        "plan": plan.describe(),
+        "median_step_seconds": step_s,
+        "bubble_fraction": {
+            g["stage"]: (1.0 - g["median_busy_seconds"] / step_s) if step_s else None for g in gathered
+        },
+        "ideal_bubble_fraction": (plan.stages - 1) / (args.micro_batches + plan.stages - 1),
+        "stage_reports": gathered,
+        "log": log,
+    }
+    Path(args.out, REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _boundary_bytes(module: StageModule, plan: StagePlan, rank: int) -> dict[str, Any] | None:
+    """Bytes one micro-batch sends over this stage's outgoing boundary, by field, next to the
+    residual alone (what a pipeline of a model without CSA2 would send)."""
+    sent = plan.sent(rank)
+    by_field = module.last_sent
+    if sent is None or by_field is None:
+        return None
+    return {
+        "boundary_layer": sent.layer,
+        "fields": by_field,
+        "residual_bytes": sum(by_field[f] for f in RESIDUAL_FIELDS),
+        "payload_bytes": sum(by_field.values()),
+    }
