@@ -156,6 +156,7 @@ def free_port() -> int:
 def launch(args: PipelineArgs) -> dict[str, Any] | None:
     """Run the pipeline: in this process when torchrun started it (RANK / WORLD_SIZE set), else
     in `args.stages` spawned processes. Returns stage 0's report (None on other torchrun ranks)."""
+    _check_recipe(args.get_recipe())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != args.stages:
