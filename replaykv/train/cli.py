@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
     from replaykv.model.presets_v41 import get_preset_v41
     from replaykv.train.pipeline.plan import StagePlan
-    from replaykv.train.pipeline.run import PipelineArgs, launch
+    from replaykv.train.pipeline.run import PipelineArgs, PipelineError, launch
 
     stages = args.pipeline_stages or 1
     try:
@@ -229,7 +229,7 @@ def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
     )
     try:
         report = launch(run)
-    except (FileExistsError, FileNotFoundError, ValueError, NotImplementedError) as e:
+    except (FileExistsError, FileNotFoundError, ValueError, NotImplementedError, PipelineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if report is not None:

@@ -20,7 +20,7 @@ from replaykv.train.data import MixtureSampler, load_corpus
 from replaykv.train.loop import accumulate_gradients, train
 from replaykv.train.paths import IndexerDistillation
 from replaykv.train.pipeline.plan import StagePlan
-from replaykv.train.pipeline.run import PipelineArgs, launch
+from replaykv.train.pipeline.run import PipelineArgs, PipelineError, launch
 from replaykv.train.recipes import Recipe, get_recipe
 from replaykv.train.setup import make_model
 from replaykv.train.stages import save_export
@@ -232,3 +232,31 @@ def test_shadow_indexers_equal_their_owner_after_every_step(tmp_path: Path) -> N
         assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
     # ... and they moved: the replica follows the owner's optimizer, it is not frozen.
     assert not torch.equal(owner[0][2][0], owner[-1][2][0])
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    rec = dataclasses.replace(recipe(steps=8, seq_len=32), checkpoint_every=4)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = {"recipe_obj": rec, "threads": 2}
+    launch(PipelineArgs("tiny", str(whole), 2, 2, "1f1b", (5,), dump_to=str(tmp_path / "a"), **common))
+    launch(PipelineArgs("tiny", str(split), 2, 2, "1f1b", (5,), steps=5, **common))
+    assert not (split / "config.json").exists()  # stopped early: no export yet, resumable state
+    assert sorted(p.name for p in (split / "train_state" / "pipeline").iterdir()) == [
+        "stage0-of-2.pt",
+        "stage1-of-2.pt",
+    ]
+    report = launch(
+        PipelineArgs(
+            "tiny", str(split), 2, 2, "1f1b", (5,), resume=True, dump_to=str(tmp_path / "b"), **common
+        )
+    )
+    assert report is not None and [r["step"] for r in report["log"]] == [6, 7, 8]
+    a, b = gather(tmp_path / "a", 2, "params"), gather(tmp_path / "b", 2, "params")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert (split / "config.json").exists()
+    # Another plan cannot continue that state.
+    with pytest.raises(
+        PipelineError,
+        match=r"pipeline stage [01]: ValueError: the pipeline state was written by another plan",
+    ):
+        launch(PipelineArgs("tiny", str(split), 2, 2, "1f1b", (4,), resume=True, **common))

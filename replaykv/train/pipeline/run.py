@@ -38,26 +38,38 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from replaykv.model.checkpoint import load_model
-from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.data import MixtureSampler, load_corpus
 from replaykv.train.paths import weighted_ce
 from replaykv.train.pipeline.plan import RESIDUAL_FIELDS, StagePlan
-from replaykv.train.pipeline.stage import ShadowIndexer, StageModule, indexer_of, key_parameters
+from replaykv.train.pipeline.stage import StageModule
+from replaykv.train.pipeline.state import (
+    REPORT,
+    plan_signature,
+    restore_stage_state,
+    save_stage_state,
+    starting_model,
+    write_checkpoint,
+    write_report,
+)
+from replaykv.train.pipeline.sync import (
+    aggregate_shadows,
+    clip_gradients,
+    component,
+    own_tensors,
+    shadow_groups,
+    sync_shadows,
+)
 from replaykv.train.recipes import Recipe, get_recipe
 from replaykv.train.setup import (
     RouterBalance,
-    fresh_model,
-    make_model,
     make_optimizer,
     resolve_device,
     set_lr,
 )
 from replaykv.train.speed import StepSettings
-from replaykv.train.stages import STAGE_DIR, cold_start, read_stage, rewarmed_lr, save_export, write_stage
+from replaykv.train.stages import STAGE_DIR, rewarmed_lr
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-REPORT = "pipeline.json"
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,10 @@ class PipelineArgs:
 
     def get_recipe(self) -> Recipe:
         return self.recipe_obj if self.recipe_obj is not None else get_recipe(self.recipe)
+
+
+class PipelineError(RuntimeError):
+    """A stage process failed; the message is its error's last line."""
 
 
 class WeightedLoss:
@@ -166,8 +182,14 @@ def launch(args: PipelineArgs) -> dict[str, Any] | None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
-    mp.spawn(_spawned, args=(args,), nprocs=args.stages, join=True)
     report = Path(args.out) / REPORT
+    report.unlink(missing_ok=True)
+    try:
+        mp.spawn(_spawned, args=(args,), nprocs=args.stages, join=True)
+    except mp.ProcessRaisedException as e:
+        # The stage's own error, by its last line ("ValueError: ..."), not the spawner's wrapper.
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        raise PipelineError(f"pipeline stage {e.error_index}: {lines[-1] if lines else e}") from e
     return json.loads(report.read_text()) if report.exists() else None
 
 
@@ -184,35 +206,6 @@ def _check_recipe(recipe: Recipe) -> None:
                 f"not implemented: phase {phase.name!r} of recipe {recipe.name!r} puts loss on them; "
                 "train it in one process"
             )
-
-
-def _starting_model(
-    args: PipelineArgs, recipe: Recipe, out: Path
-) -> tuple[DeepseekV41ForCausalLM, dict[str, Any]]:
-    """The weights every stage starts from (the same on every rank) and the counters."""
-    if args.resume:
-        cold = cold_start(recipe, out, None)
-        if cold is None:
-            raise FileNotFoundError(
-                f"nothing to resume: no stage checkpoint of recipe {recipe.name!r} in {out}"
-            )
-        info = read_stage(cold) or {}
-        model = load_model(cold, dtype="float32")
-        assert isinstance(model, DeepseekV41ForCausalLM)
-        return model.train(), {
-            "step": int(info["step"]),
-            "tokens": int(info["tokens"]),
-            "seconds": float(info["seconds"]),
-            "stage_seconds": dict(info.get("stage_seconds", {})),
-            "cold_from": int(info["step"]),
-        }
-    return make_model(recipe, args.init), {
-        "step": 0,
-        "tokens": 0,
-        "seconds": 0.0,
-        "stage_seconds": {},
-        "cold_from": None,
-    }
 
 
 def worker(rank: int, args: PipelineArgs) -> dict[str, Any] | None:
@@ -237,7 +230,7 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = StepSettings.resolve(args.kernels, args.precision, dev)
-    model, counters = _starting_model(args, recipe, out)
+    model, counters, resumed = starting_model(args, recipe, out, rank)
     plan = StagePlan.build(model.config, world, args.boundaries, args.payload)
     first, last = rank == 0, rank == world - 1
     corpus = load_corpus(max_files=recipe.corpus_files) if first or last else None
@@ -247,7 +240,10 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
     balance = RouterBalance(module.model, recipe.router_bias_rate)
     module.balance = balance
     opt = make_optimizer(module.model, recipe)
-    shadow_groups = _shadow_groups(plan)
+    signature = plan_signature(plan, recipe, args.micro_batches)
+    if resumed is not None:
+        restore_stage_state(module, opt, resumed, signature)
+    groups = shadow_groups(plan)
     pipe = TracedStage(module, rank, world, dev)
     loss_fn = WeightedLoss()
     schedule = SCHEDULES[args.schedule](pipe, args.micro_batches, loss_fn=loss_fn, scale_grads=False)
@@ -292,15 +288,15 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
                 schedule.step(target=target, losses=losses, return_outputs=False)
             else:
                 schedule.step(return_outputs=False)
-        _aggregate_shadows(module, plan, shadow_groups)
+        aggregate_shadows(module, plan, groups)
         if args.dump_to is not None and dump["grads"] is None:
-            dump["grads"] = _own(module, grads=True)
-        grad_norm = _clip(module, plan, recipe.grad_clip)
+            dump["grads"] = own_tensors(module, grads=True)
+        grad_norm = clip_gradients(module, plan, recipe.grad_clip)
         opt.step()
         balance.update()
-        _sync_shadows(module, plan, shadow_groups)
+        sync_shadows(module, plan, groups)
         if args.dump_to is not None:
-            copies = {s: _component(module, plan, s) for s in shadow_groups}
+            copies = {s: component(module, plan, s) for s in groups}
             dump["keys"].append(
                 {s: [t.detach().clone() for t in c] for s, c in copies.items() if c is not None}
             )
@@ -328,8 +324,11 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
         log.append(record)
         if first:
             print(f"pipeline step {step}: loss {record['loss']:.4f}, {dt:.2f} s", flush=True)
+        counters.update(step=step, tokens=tokens, seconds=seconds, stage_seconds=stage_seconds)
+        if args.save and (step % recipe.checkpoint_every == 0 or step == end):
+            save_stage_state(out, module, opt, world, signature, counters)
         if args.save and step in recipe.stage_ends:
-            _checkpoint(
+            write_checkpoint(
                 module,
                 plan,
                 recipe,
@@ -346,162 +345,8 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
             )
     balance.remove()
     if args.dump_to is not None:
-        dump["params"] = _own(module, grads=False)
+        dump["params"] = own_tensors(module, grads=False)
         torch.save(dump, f"{args.dump_to}.rank{rank}")
-    if args.save and step > counters["step"]:
-        _checkpoint(module, plan, recipe, out, rank, None)
-    return _report(rank, args, plan, module, pipe, times, busy, log)
-
-
-# ---------------------------------------------------------------------------- shadows
-def _shadow_groups(plan: StagePlan) -> dict[int, Any]:
-    """One process group per shared component: its owner stage and the stages with a replica.
-    Every rank creates every group, in the same order (torch.distributed's rule)."""
-    groups: dict[int, Any] = {}
-    for s in plan.config.kv_sources:
-        reps = plan.replicas(s)
-        if reps:
-            groups[s] = dist.new_group(sorted({plan.stage_of(s), *reps}))
-    return groups
-
-
-def _component(module: StageModule, plan: StagePlan, source: int) -> list[torch.Tensor] | None:
-    """This rank's copy of source's key projection: the owner's own, or its shadow."""
-    if module.stage == plan.stage_of(source):
-        return key_parameters(indexer_of(module.model, source))
-    if str(source) in module.shadows:
-        shadow = module.shadows[str(source)]
-        assert isinstance(shadow, ShadowIndexer)
-        return key_parameters(shadow)
-    return None
-
-
-def _aggregate_shadows(module: StageModule, plan: StagePlan, groups: dict[int, Any]) -> None:
-    for s, group in groups.items():
-        params = _component(module, plan, s)
-        if params is None:
-            continue
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-
-
-def _sync_shadows(module: StageModule, plan: StagePlan, groups: dict[int, Any]) -> None:
-    for s, group in groups.items():
-        params = _component(module, plan, s)
-        if params is None:
-            continue
-        for p in params:
-            dist.broadcast(p.data, src=plan.stage_of(s), group=group)
-
-
-def _clip(module: StageModule, plan: StagePlan, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_ over every stage's own parameters (shadows excluded), with
-    its arithmetic: the float32 norm of the per-tensor norms in the model's parameter order
-    (stage after stage), then one clamped coefficient."""
-    grads = [p.grad for p in module.model.parameters() if p.grad is not None]
-    local = torch._foreach_norm(grads, 2.0) if grads else []
-    parts: list[Any] = [None] * plan.stages
-    dist.all_gather_object(parts, [n.detach().cpu() for n in local])
-    norms = [n for part in parts for n in part]
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return float(total)
-
-
-def _own(module: StageModule, grads: bool) -> dict[str, torch.Tensor]:
-    """This stage's own gradients, or its whole state (parameters and router biases), float32
-    on the CPU."""
-    if grads:
-        named = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
-    else:
-        named = dict(module.model.state_dict())
-    return {n: t.detach().float().cpu().clone() for n, t in named.items()}
-
-
-# ---------------------------------------------------------------------------- checkpoints, report
-def _checkpoint(
-    module: StageModule,
-    plan: StagePlan,
-    recipe: Recipe,
-    directory: Path,
-    rank: int,
-    stage_info: dict[str, Any] | None,
-) -> None:
-    """Gather every stage's state dict on stage 0 and write one Hugging Face-format model."""
-    own = {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
-    parts: list[Any] = [None] * plan.stages if rank == 0 else []
-    dist.gather_object(own, parts if rank == 0 else None, dst=0)
-    if rank == 0:
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        full = fresh_model(recipe)
-        full.load_state_dict(merged, strict=True)
-        if stage_info is None:
-            save_export(full, directory)
-        else:
-            write_stage(full, directory, recipe, stage_info)
-    dist.barrier()
-
-
-def _report(
-    rank: int,
-    args: PipelineArgs,
-    plan: StagePlan,
-    module: StageModule,
-    pipe: TracedStage,
-    times: list[float],
-    busy: list[float],
-    log: list[dict[str, Any]],
-) -> dict[str, Any] | None:
-    """Stage 0 writes OUT/pipeline.json: the plan, bytes per boundary, step times, the bubble
-    fraction measured (1 - busy time / step time, per stage) and each stage's shared-state trace
-    of the last step."""
-    mine = {
-        "stage": rank,
-        "median_step_seconds": statistics.median(times) if times else None,
-        "median_busy_seconds": statistics.median(busy) if busy else None,
-        "trace": module.trace.events,
-        "sent": _boundary_bytes(module, plan, rank),
-    }
-    gathered: list[Any] = [None] * plan.stages if rank == 0 else []
-    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    if rank != 0:
-        return None
-    step_s = max(g["median_step_seconds"] or 0.0 for g in gathered)
-    report = {
-        "recipe": args.get_recipe().name,
-        "stages": plan.stages,
-        "micro_batches": args.micro_batches,
-        "schedule": args.schedule,
-        "boundaries": list(plan.starts[1:]),
-        "plan": plan.describe(),
-        "median_step_seconds": step_s,
-        "bubble_fraction": {
-            g["stage"]: (1.0 - g["median_busy_seconds"] / step_s) if step_s else None for g in gathered
-        },
-        "ideal_bubble_fraction": (plan.stages - 1) / (args.micro_batches + plan.stages - 1),
-        "stage_reports": gathered,
-        "log": log,
-    }
-    Path(args.out, REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    return report
-
-
-def _boundary_bytes(module: StageModule, plan: StagePlan, rank: int) -> dict[str, Any] | None:
-    """Bytes one micro-batch sends over this stage's outgoing boundary, by field, next to the
-    residual alone (what a pipeline of a model without CSA2 would send)."""
-    sent = plan.sent(rank)
-    by_field = module.last_sent
-    if sent is None or by_field is None:
-        return None
-    return {
-        "boundary_layer": sent.layer,
-        "fields": by_field,
-        "residual_bytes": sum(by_field[f] for f in RESIDUAL_FIELDS),
-        "payload_bytes": sum(by_field.values()),
-    }
+    if args.save and step >= recipe.total_steps and log:
+        write_checkpoint(module, plan, recipe, out, rank, None)  # the export, at the recipe's end
+    return write_report(rank, args, plan, module, pipe, times, busy, log)
