@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
-from replaykv.model.checkpoint import load_model, read_state_dict
+from replaykv.engine.engine import Engine
+from replaykv.model.checkpoint import read_state_dict
 from replaykv.model.presets_v41 import get_preset_v41
 from replaykv.model.spec import ModelSpec
+from replaykv.server.settings import load_settings
 from replaykv.train.data import MixtureSampler, load_corpus
 from replaykv.train.loop import accumulate_gradients, train
 from replaykv.train.paths import IndexerDistillation
@@ -24,6 +27,7 @@ from replaykv.train.pipeline.run import PipelineArgs, PipelineError, launch
 from replaykv.train.recipes import Recipe, get_recipe
 from replaykv.train.setup import make_model
 from replaykv.train.stages import save_export
+from tests.server.conftest import LiveServer
 
 TINY = get_preset_v41("v41-tiny")  # layers: 0-1 window, 2 Full, 3 Reuse, 4 Reindex, 5 Reuse,
 #                                    6 Full + candidate source, 7 Reuse, 8 Reindex, 9 Reuse
@@ -205,16 +209,22 @@ def test_twenty_steps_match_and_checkpoint_loads(tmp_path: Path) -> None:
     save_export(model, tmp_path / "export")
     a, b = read_state_dict(pp_dir), read_state_dict(tmp_path / "export")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    ids = torch.randint(0, TINY.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
-    from replaykv.cache.views import allocate_view
-
-    logits = []
-    for d in (pp_dir, tmp_path / "export"):
-        m = load_model(d, dtype="float32")
-        spec = ModelSpec.from_config(m.config)
-        with torch.inference_mode():
-            logits.append(m(ids, allocate_view(spec, 1, 48)))
-    assert torch.equal(logits[0], logits[1])
+    # Served by `replaykv serve`'s engine and server, both answer and score the same.
+    answers = []
+    for i, d in enumerate((pp_dir, tmp_path / "export")):
+        settings = load_settings(["--model", str(d), "--cache-dir", str(tmp_path / f"cache{i}")], environ={})
+        live = LiveServer(Engine(settings.engine_config()), settings.server()).start()
+        try:
+            c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="k", max_retries=0, timeout=60)
+            r = c.completions.create(
+                model=live.engine.model_name, prompt="def f(x):", max_tokens=8, temperature=0, logprobs=1
+            )
+            assert r.choices[0].logprobs is not None
+            answers.append((r.choices[0].text, r.choices[0].logprobs.token_logprobs))
+        finally:
+            live.stop()
+            live.engine.shutdown()
+    assert answers[0] == answers[1]
 
 
 def test_shadow_indexers_equal_their_owner_after_every_step(tmp_path: Path) -> None:
