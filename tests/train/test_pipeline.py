@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -247,7 +248,7 @@ def test_shadow_indexers_equal_their_owner_after_every_step(tmp_path: Path) -> N
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     rec = dataclasses.replace(recipe(steps=8, seq_len=32), checkpoint_every=4)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    common = {"recipe_obj": rec, "threads": 2}
+    common: dict[str, Any] = {"recipe_obj": rec, "threads": 2}
     launch(PipelineArgs("tiny", str(whole), 2, 2, "1f1b", (5,), dump_to=str(tmp_path / "a"), **common))
     launch(PipelineArgs("tiny", str(split), 2, 2, "1f1b", (5,), steps=5, **common))
     assert not (split / "config.json").exists()  # stopped early: no export yet, resumable state
