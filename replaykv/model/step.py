@@ -89,6 +89,9 @@ class Step:
     # With write_global, the first row of the call that writes global KV: rows before it are
     # replayed rows riding in the same call as the new rows after them (read-only, as above).
     global_from: int = 0
+    # Context parallelism (training): the call holds one shard of a longer sequence, and this
+    # object supplies what the shards before it computed (see replaykv.train.context).
+    context: Any = None
 
     @cached_property
     def global_rows(self) -> Step | None:

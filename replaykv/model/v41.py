@@ -194,7 +194,10 @@ class AttentionV41(nn.Module):
             cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
             win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
         else:
-            win_keys = torch.cat([cast(ordered_ring(cache.window, step.start, w - 1), kv.dtype), kv], dim=1)
+            earlier = ordered_ring(cache.window, step.start, w - 1)
+            if step.context is not None:  # a sequence shard: the previous shard's last rows
+                earlier = step.context.halo(kv, w - 1)
+            win_keys = torch.cat([cast(earlier, kv.dtype), kv], dim=1)
             write_ring(cache.window, kv, step.start)
 
         entries = chosen = None
@@ -203,6 +206,8 @@ class AttentionV41(nn.Module):
             writing = step.global_rows
             if self.compressor is not None and writing is not None:
                 self._compress(x[:, step.global_from :], writing, cache)
+                if step.context is not None:  # a sequence shard: the other shards' groups
+                    step.context.share(cache, self.ratio, step)
             n = max((p + s) // self.ratio for p in step.start_host)
             if self.indexer is not None:
                 self.indexer.select(x, q_res, cache.index_keys[:, :n], step, selection)

@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "latents only, entries rebuilt after the boundary (fewer bytes, equal to float rounding)",
     )
     pp.add_argument(
+        "--context-parallel",
+        type=positive_int,
+        default=1,
+        help="split each sequence into this many shards per stage, one process each "
+        "(processes = pipeline stages x context shards)",
+    )
+    pp.add_argument(
         "--print-plan",
         action="store_true",
         help="print the stage plan (layers, payload, shadow indexers) and exit",
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     recipe = get_recipe(args.recipe)
-    if args.pipeline_stages is not None or args.print_plan:
+    if args.pipeline_stages is not None or args.print_plan or args.context_parallel > 1:
         return _pipeline(recipe, args)
     try:
         if args.bar:
@@ -200,6 +207,11 @@ def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
         return 2
     if args.print_plan:
         print(plan.describe())
+        if args.context_parallel > 1:
+            print(
+                f"each stage in {args.context_parallel} sequence shards (context parallelism): "
+                f"{stages * args.context_parallel} processes; a group crosses a boundary as each shard's part"
+            )
         return 0
     given = [f"--{name.replace('_', '-')}" for name in PIPELINE_UNSUPPORTED if getattr(args, name)]
     if given:
@@ -226,6 +238,7 @@ def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
         precision=args.precision,
         stage_count=args.stages,
         payload=args.pipeline_payload,
+        context=args.context_parallel,
     )
     try:
         report = launch(run)
@@ -234,7 +247,8 @@ def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
         return 2
     if report is not None:
         print(
-            f"{recipe.name}: {stages} stages x {micro} micro-batches ({args.schedule}); median step "
+            f"{recipe.name}: {stages} stages x {args.context_parallel} shards, {micro} micro-batches "
+            f"({args.schedule}); median step "
             f"{report['median_step_seconds']:.2f} s; report in {args.out}/pipeline.json"
         )
     return 0

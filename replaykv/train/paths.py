@@ -384,6 +384,19 @@ class IndexerDistillation:
         if n < 2:
             return None
         rows = torch.unique(torch.linspace(0, s - 1, min(self.rows, s), device=x.device).round().long())
+        denominator = None
+        if step.context is not None:
+            # A shard of a longer sequence: the rows one process would sample from the whole
+            # sequence, those in this shard, over the whole sample's count (the shards' KLs sum
+            # to one process's).
+            total, start = step.context.size * s, step.start_host[0]
+            every = torch.unique(
+                torch.linspace(0, total - 1, min(self.rows, total), device=x.device).round().long()
+            )
+            denominator = b * int(((every + 1) // attn.ratio >= 2).sum())
+            rows = every[(every >= start) & (every < start + s)] - start
+            if rows.numel() == 0:
+                return None
         limit = causal_entry_limit(step.positions[:, rows], attn.ratio)  # [B, R]
         visible = torch.arange(n, device=x.device) < limit[..., None]  # [B, R, N]
         valid = limit >= 2
@@ -408,7 +421,7 @@ class IndexerDistillation:
         scores = (dots * idx.head_dim**-0.5 * w[..., None]).sum(dim=2)  # [B, R, N]
         log_q = torch.log_softmax(scores.masked_fill(~visible, -1e9), dim=-1)
         kl = F.kl_div(log_q, target, reduction="none").sum(-1)  # [B, R]
-        return (kl * valid).sum() / valid.sum()
+        return (kl * valid).sum() / (valid.sum() if denominator is None else denominator)
 
 
 def _restorer(indexer: Any, handle: Any) -> Callable[[], None]:

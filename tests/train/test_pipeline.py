@@ -271,3 +271,42 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
         match=r"pipeline stage [01]: ValueError: the pipeline state was written by another plan",
     ):
         launch(PipelineArgs("tiny", str(split), 2, 2, "1f1b", (4,), resume=True, **common))
+
+
+@pytest.mark.parametrize(
+    ("stages", "bounds", "payload"),
+    [
+        (1, None, "exact"),  # context parallelism alone: 2 processes
+        (2, (7,), "exact"),  # 2 stages x 2 shards; the selection and candidates cross
+        (2, (4,), "compact"),  # latents split as the sequence is, a shadow indexer per shard
+    ],
+)
+def test_context_parallel_step_equals_single_process(
+    tmp_path: Path, stages: int, bounds: tuple[int, ...] | None, payload: str
+) -> None:
+    rec, micro = recipe(steps=2), 2
+    report = launch(
+        PipelineArgs(
+            "tiny", str(tmp_path), stages, micro, "1f1b", bounds, steps=1, save=False, recipe_obj=rec,
+            dump_to=str(tmp_path / "dump"), threads=2, payload=payload, context=2,
+        )
+    )  # fmt: skip
+    assert report is not None and report["context_parallel"] == 2
+    grads: dict[str, torch.Tensor] = {}
+    for shard in (0, 1):  # the shards of a stage end with the same (summed) gradients
+        parts = [
+            torch.load(f"{tmp_path / 'dump'}.rank{stage * 2 + shard}")["grads"] for stage in range(stages)
+        ]
+        mine = {n: g for part in parts for n, g in part.items()}
+        if shard == 0:
+            grads = mine
+        else:
+            assert all(torch.equal(grads[n], mine[n]) for n in grads)
+    ref, loss = single_process_grads(rec, micro)
+    assert abs(report["log"][0]["loss"] - loss) <= 1e-5 * abs(loss)
+    whole, worst = grad_errors(grads, ref)
+    assert whole <= 1e-6 and worst <= 1e-5, (whole, worst)
+    for stage in report["stage_reports"]:
+        for e in stage["trace"]:
+            if e["event"] == "backward":
+                assert e["bytes"][str(e["micro_batch"])] == 0, (stage["stage"], e)

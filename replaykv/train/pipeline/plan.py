@@ -189,7 +189,8 @@ class StagePlan:
         """The plan as text (`replaykv train --print-plan`)."""
         c = self.config
         lines = [
-            f"pipeline plan: {self.stages} stages over {c.num_hidden_layers} layers, {self.payload} payload"
+            f"pipeline plan: {self.stages} stage{'s' if self.stages != 1 else ''} over "
+            f"{c.num_hidden_layers} layers, {self.payload} payload"
         ]
         for i in range(self.stages):
             lay = self.layers(i)

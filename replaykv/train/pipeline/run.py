@@ -38,8 +38,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from replaykv.train.context import ContextShards
 from replaykv.train.data import MixtureSampler, load_corpus
 from replaykv.train.paths import weighted_ce
+from replaykv.train.pipeline.mesh import Mesh
 from replaykv.train.pipeline.plan import RESIDUAL_FIELDS, StagePlan
 from replaykv.train.pipeline.stage import StageModule
 from replaykv.train.pipeline.state import (
@@ -57,6 +59,7 @@ from replaykv.train.pipeline.sync import (
     component,
     own_tensors,
     shadow_groups,
+    sum_over_shards,
     sync_shadows,
 )
 from replaykv.train.recipes import Recipe, get_recipe
@@ -91,6 +94,7 @@ class PipelineArgs:
     precision: str = "float32"
     stage_count: int | None = None  # stop after this many stage ends (as `--stages`)
     payload: str = "exact"  # how a group's state crosses a boundary (see plan.py)
+    context: int = 1  # sequence shards per stage (context parallelism; processes = stages × context)
     save: bool = True
     # Test hooks: a recipe object instead of a name, and a path prefix each rank writes its
     # first step's gradients, its copy of every shared key projection after each step and its
@@ -98,12 +102,32 @@ class PipelineArgs:
     recipe_obj: Recipe | None = None
     dump_to: str | None = None
 
+    @property
+    def processes(self) -> int:
+        return self.stages * self.context
+
     def get_recipe(self) -> Recipe:
         return self.recipe_obj if self.recipe_obj is not None else get_recipe(self.recipe)
 
 
 class PipelineError(RuntimeError):
     """A stage process failed; the message is its error's last line."""
+
+
+class ShardLoss:
+    """The full-path loss of one micro-batch's shard of positions: target [B, S, 2] holds each
+    position's next token id and that token's loss weight (0 after the sequence's end), and the
+    sum is normalised by the whole batch's weight, so the shards' losses sum to the batch loss."""
+
+    def __init__(self) -> None:
+        self.total = torch.ones(())
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        logits = output[0]
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), target[..., 0].reshape(-1).long(), reduction="none"
+        )
+        return (ce * target[..., 1].reshape(-1).to(ce.dtype)).sum() / self.total
 
 
 class WeightedLoss:
@@ -171,12 +195,14 @@ def free_port() -> int:
 
 def launch(args: PipelineArgs) -> dict[str, Any] | None:
     """Run the pipeline: in this process when torchrun started it (RANK / WORLD_SIZE set), else
-    in `args.stages` spawned processes. Returns stage 0's report (None on other torchrun ranks)."""
+    in `args.processes` spawned processes. Returns stage 0's report (None on other torchrun ranks)."""
     _check_recipe(args.get_recipe())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
-        if world != args.stages:
-            raise ValueError(f"torchrun started {world} processes for {args.stages} pipeline stages")
+        if world != args.processes:
+            raise ValueError(
+                f"torchrun started {world} processes for {args.stages} pipeline stages x {args.context} shards"
+            )
         return worker(int(os.environ["RANK"]), args)
     import torch.multiprocessing as mp
 
@@ -185,7 +211,7 @@ def launch(args: PipelineArgs) -> dict[str, Any] | None:
     report = Path(args.out) / REPORT
     report.unlink(missing_ok=True)
     try:
-        mp.spawn(_spawned, args=(args,), nprocs=args.stages, join=True)
+        mp.spawn(_spawned, args=(args,), nprocs=args.processes, join=True)
     except mp.ProcessRaisedException as e:
         # The stage's own error, by its last line ("ValueError: ..."), not the spawner's wrapper.
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
@@ -193,8 +219,24 @@ def launch(args: PipelineArgs) -> dict[str, Any] | None:
     return json.loads(report.read_text()) if report.exists() else None
 
 
+def _shard(
+    ids: torch.Tensor, targets: torch.Tensor, shards: ContextShards
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's positions of a batch: its token ids, and per position the next token's id
+    and loss weight (the loss's target under context parallelism)."""
+    b, length = ids.shape
+    if length % shards.size:
+        raise ValueError(f"a sequence of {length} tokens does not split into {shards.size} equal shards")
+    n = length // shards.size
+    nxt = torch.zeros(b, length, 2, dtype=torch.float32, device=ids.device)
+    nxt[:, :-1, 0] = ids[:, 1:].float()
+    nxt[:, :-1, 1] = targets[:, 1:].float()
+    part = slice(shards.index * n, (shards.index + 1) * n)
+    return ids[:, part].contiguous(), nxt[:, part].contiguous()
+
+
 def _spawned(rank: int, args: PipelineArgs) -> None:
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.stages)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.processes)
     worker(rank, args)
 
 
@@ -216,7 +258,7 @@ def worker(rank: int, args: PipelineArgs) -> dict[str, Any] | None:
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=args.stages)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=args.processes)
     try:
         return _train(rank, args, recipe, dev)
     finally:
@@ -224,28 +266,30 @@ def worker(rank: int, args: PipelineArgs) -> dict[str, Any] | None:
 
 
 def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> dict[str, Any] | None:
-    world = args.stages
+    world = args.processes
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(max(1, threads // world))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = StepSettings.resolve(args.kernels, args.precision, dev)
-    model, counters, resumed = starting_model(args, recipe, out, rank)
-    plan = StagePlan.build(model.config, world, args.boundaries, args.payload)
-    first, last = rank == 0, rank == world - 1
+    mesh = Mesh.build(args.stages, args.context, rank)
+    model, counters, resumed = starting_model(args, recipe, out, mesh.stage)
+    plan = StagePlan.build(model.config, args.stages, args.boundaries, args.payload)
+    first, last = mesh.stage == 0, mesh.stage == args.stages - 1
     corpus = load_corpus(max_files=recipe.corpus_files) if first or last else None
     scale = recipe.indexer_loss / args.micro_batches
     rows = recipe.indexer_rows if recipe.indexer_loss > 0 else 0
-    module = StageModule(model, plan, rank, rows, scale).to(dev)
+    shards = ContextShards(mesh.shard, mesh.shards, mesh.row, mesh.row_ranks()) if mesh.shards > 1 else None
+    module = StageModule(model, plan, mesh.stage, rows, scale, shards).to(dev)
     balance = RouterBalance(module.model, recipe.router_bias_rate)
     module.balance = balance
     opt = make_optimizer(module.model, recipe)
     signature = plan_signature(plan, recipe, args.micro_batches)
     if resumed is not None:
         restore_stage_state(module, opt, resumed, signature)
-    groups = shadow_groups(plan)
-    pipe = TracedStage(module, rank, world, dev)
-    loss_fn = WeightedLoss()
+    groups = shadow_groups(plan, mesh)
+    pipe = TracedStage(module, mesh.stage, args.stages, dev, group=mesh.column)
+    loss_fn: WeightedLoss | ShardLoss = WeightedLoss() if shards is None else ShardLoss()
     schedule = SCHEDULES[args.schedule](pipe, args.micro_batches, loss_fn=loss_fn, scale_grads=False)
     from replaykv.model.spec import ModelSpec
 
@@ -275,11 +319,15 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
         pipe.busy = 0.0
         losses: list[torch.Tensor] = []
         with settings.applied(dev):
-            if batch is not None and last:
-                loss_fn.total = batch.targets[:, 1:].to(dev).sum()
-                loss_fn.weight = phase.paths.full
-            ids = batch.ids.to(dev) if batch is not None else None
-            target = batch.targets.to(dev) if batch is not None else None
+            ids = target = None
+            if batch is not None:
+                ids, target = batch.ids.to(dev), batch.targets.to(dev)
+                if last:
+                    loss_fn.total = target[:, 1:].sum()
+                    if isinstance(loss_fn, WeightedLoss):
+                        loss_fn.weight = phase.paths.full
+                if shards is not None:
+                    ids, target = _shard(ids, target, shards)
             if first and last:
                 schedule.step(ids, target=target, losses=losses, return_outputs=False)
             elif first:
@@ -288,13 +336,17 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
                 schedule.step(target=target, losses=losses, return_outputs=False)
             else:
                 schedule.step(return_outputs=False)
+        sum_over_shards(module, mesh)
         aggregate_shadows(module, plan, groups)
         if args.dump_to is not None and dump["grads"] is None:
             dump["grads"] = own_tensors(module, grads=True)
-        grad_norm = clip_gradients(module, plan, recipe.grad_clip)
+        grad_norm = clip_gradients(module, plan, recipe.grad_clip, mesh)
         opt.step()
+        if mesh.shards > 1:  # expert loads over the whole sequence
+            for counts in balance.counts.values():
+                dist.all_reduce(counts, group=mesh.row)
         balance.update()
-        sync_shadows(module, plan, groups)
+        sync_shadows(module, plan, groups, mesh)
         if args.dump_to is not None:
             copies = {s: component(module, plan, s) for s in groups}
             dump["keys"].append(
@@ -322,18 +374,18 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
             "seconds": dt,
         }
         log.append(record)
-        if first:
+        if mesh.rank == 0:
             print(f"pipeline step {step}: loss {record['loss']:.4f}, {dt:.2f} s", flush=True)
         counters.update(step=step, tokens=tokens, seconds=seconds, stage_seconds=stage_seconds)
-        if args.save and (step % recipe.checkpoint_every == 0 or step == end):
-            save_stage_state(out, module, opt, world, signature, counters)
+        if args.save and mesh.shard == 0 and (step % recipe.checkpoint_every == 0 or step == end):
+            save_stage_state(out, module, opt, args.stages, signature, counters)
         if args.save and step in recipe.stage_ends:
             write_checkpoint(
                 module,
                 plan,
                 recipe,
                 out / STAGE_DIR,
-                rank,
+                mesh,
                 {
                     "stage": recipe.stage_ends.index(step) + 1,
                     "step": step,
@@ -348,5 +400,5 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
         dump["params"] = own_tensors(module, grads=False)
         torch.save(dump, f"{args.dump_to}.rank{rank}")
     if args.save and step >= recipe.total_steps and log:
-        write_checkpoint(module, plan, recipe, out, rank, None)  # the export, at the recipe's end
-    return write_report(rank, args, plan, module, pipe, times, busy, log)
+        write_checkpoint(module, plan, recipe, out, mesh, None)  # the export, at the recipe's end
+    return write_report(mesh, args, plan, module, pipe, times, busy, log)

@@ -44,6 +44,7 @@ from replaykv.model.v41 import (
     IndexerV41,
     publish_groups,
 )
+from replaykv.train.context import ContextShards
 from replaykv.train.paths import CacheGuard, IndexerDistillation
 from replaykv.train.pipeline.plan import Boundary, StagePlan
 from replaykv.train.setup import RouterBalance
@@ -143,9 +144,11 @@ class StageModule(nn.Module):
         stage: int,
         indexer_rows: int = 0,
         indexer_scale: float = 0.0,
+        shards: ContextShards | None = None,
     ) -> None:
         super().__init__()
         self.plan, self.stage = plan, stage
+        self.shards = shards  # context parallelism: this process's shard of every sequence
         self.layer_range = plan.layers(stage)
         self.received: Boundary | None = plan.received(stage)
         self.sent: Boundary | None = plan.sent(stage)
@@ -185,9 +188,9 @@ class StageModule(nn.Module):
 
             def capture(self_: Any, *args: Any, _pool: Callable[..., Any] = pool, _s: int = s) -> Any:
                 latents, first, count = _pool(*args)
-                if any(f != 0 for f in first) or len(set(count)) != 1:
+                if len(set(first)) != 1 or len(set(count)) != 1:
                     raise NotImplementedError(
-                        "pipeline-parallel training runs whole rows from position 0; "
+                        "pipeline-parallel training runs rows of one length from one position; "
                         f"source {_s} pooled groups {first} + {count}"
                     )
                 self._captured[_s] = latents
@@ -220,19 +223,28 @@ class StageModule(nn.Module):
             state, selection = self.model.embed(ids), Selection()
         else:
             assert self.received is not None
-            state, selection, group = unpack(self.received, payload, self.model.config)
+            index = self.shards.index if self.shards is not None else 0
+            state, selection, group = unpack(self.received, payload, self.model.config, index)
         b, length = state.input_ids.shape
         dtype = next(self.model.parameters()).dtype
-        view = allocate_view(self.spec, b, length, state.streams.device, dtype)
+        shards = self.shards
+        start = shards.index * length if shards is not None else 0  # this shard's first position
+        total = shards.size * length if shards is not None else length
+        view = allocate_view(self.spec, b, total, state.streams.device, dtype)
+        view.positions.fill_(start)
         guard = CacheGuard()
         guard.track(view)
         step = self.model.step(view, length)
+        step.context = shards
+        c = self.model.config
         self._captured = {}
         with guard:
-            for s, t in group["entries"].items():
-                scatter_entries(_cache(view, s, "entries"), t, [0] * b, [t.shape[1]] * b)
-            for s, t in group["keys"].items():
-                scatter_entries(_cache(view, s, "index_keys"), t, [0] * b, [t.shape[1]] * b)
+            for kind, name in (("entries", "entries"), ("keys", "index_keys")):
+                for s, t in group[kind].items():
+                    lo = start // c.compress_ratio(s)
+                    scatter_entries(_cache(view, s, name), t, [lo] * b, [t.shape[1]] * b)
+                    if shards is not None:  # the other shards' groups
+                        shards.share(view.layers[s], c.compress_ratio(s), step, (name,))
             for s, t in group["latents"].items():
                 self._rebuild(s, t, step, view)
             out = self.model.run_layers(state, self.layer_range, step, view, selection)
@@ -242,11 +254,15 @@ class StageModule(nn.Module):
             outputs: tuple[torch.Tensor, ...] = (self.model.head(out), out.input_ids)
         else:
             assert self.sent is not None
-            c = self.model.config
-            n = {s: length // c.compress_ratio(s) for s in c.kv_sources}
+            # A group travels as this shard's part (all of it without context parallelism): the
+            # entries of positions [start, start + length), split as the sequence is.
+            span = {
+                s: slice(start // c.compress_ratio(s), (start + length) // c.compress_ratio(s))
+                for s in c.kv_sources
+            }
             sent = {
-                "entries": {s: _cache(view, s, "entries")[:, : n[s]] for s in self.sent.entries},
-                "keys": {s: _cache(view, s, "index_keys")[:, : n[s]] for s in self.sent.keys},
+                "entries": {s: _cache(view, s, "entries")[:, span[s]] for s in self.sent.entries},
+                "keys": {s: _cache(view, s, "index_keys")[:, span[s]] for s in self.sent.keys},
                 "latents": {**group["latents"], **self._captured},
             }
             outputs = pack(self.sent, out, selection, sent)
@@ -270,9 +286,12 @@ class StageModule(nn.Module):
         shadow = dict(self.shadows.items()).get(str(source))
         keys = shadow.keys if isinstance(shadow, ShadowIndexer) else None
         c = self.model.config
-        publish_groups(
-            latents, [0] * b, [n] * b, c.compress_ratio(source), c.kv_quant, keys, step, view.layers[source]
-        )
+        ratio = c.compress_ratio(source)
+        first = step.start_host[0] // ratio
+        publish_groups(latents, [first] * b, [n] * b, ratio, c.kv_quant, keys, step, view.layers[source])
+        if self.shards is not None:  # the other shards' groups
+            names = ("entries", "index_keys") if keys is not None else ("entries",)
+            self.shards.share(view.layers[source], ratio, step, names)
 
 
 def indexer_of(model: DeepseekV41ForCausalLM, layer: int) -> IndexerV41:
@@ -303,7 +322,7 @@ def pack(
 ) -> tuple[torch.Tensor, ...]:
     """The payload of `boundary` as a flat tuple in :meth:`Boundary.fields` order; `groups`
     maps "entries", "keys" and "latents" to the tensors of each source."""
-    out: list[torch.Tensor] = [state.streams, state.pre_mix, state.input_ids]
+    out: list[torch.Tensor] = [state.streams, state.pre_mix, state.input_ids.contiguous()]
     if boundary.topk:
         if selection.topk is None:
             raise RuntimeError(f"boundary {boundary.index}: no selection to send")
@@ -316,16 +335,17 @@ def pack(
         for s in getattr(boundary, kind):
             if s not in groups[kind]:
                 raise RuntimeError(f"boundary {boundary.index}: the {kind} of source {s} are missing")
-            out.append(groups[kind][s])
+            out.append(groups[kind][s].contiguous())  # a shard's part is a slice of the group
     return tuple(out)
 
 
 def unpack(
-    boundary: Boundary, payload: tuple[torch.Tensor, ...], config: DeepseekV41Config
+    boundary: Boundary, payload: tuple[torch.Tensor, ...], config: DeepseekV41Config, shard: int = 0
 ) -> tuple[Residual, Selection, dict[str, dict[int, torch.Tensor]]]:
-    """The inverse of :func:`pack`. Ids are clamped into their ranges: a no-op on what the
-    previous stage sent, and it keeps the schedule's shape-inference pass (uninitialised
-    buffers) from indexing out of bounds."""
+    """The inverse of :func:`pack` (`shard`: which sequence shard the payload holds under
+    context parallelism; its selections index every entry before its end). Ids are clamped into
+    their ranges: a no-op on what the previous stage sent, and it keeps the schedule's
+    shape-inference pass (uninitialised buffers) from indexing out of bounds."""
     fields = boundary.fields()
     if len(payload) != len(fields):
         raise ValueError(
@@ -334,7 +354,7 @@ def unpack(
     named = dict(zip(fields, payload, strict=True))
     ids = named["input_ids"].clamp(0, config.vocab_size - 1)
     state = Residual(named["streams"], named["pre_mix"], ids)
-    length = ids.shape[1]
+    length = ids.shape[1] * (shard + 1)  # the end of the payload's positions
     topk, cands = named.get("topk"), named.get("candidates")
     if topk is not None:  # entry ids of the latest index source's group
         owner = max(i for i in config.index_sources if i < boundary.layer)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from replaykv.model.checkpoint import load_model
 from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.train.pipeline.mesh import Mesh
 from replaykv.train.pipeline.plan import RESIDUAL_FIELDS, StagePlan
 from replaykv.train.pipeline.stage import StageModule
 from replaykv.train.recipes import Recipe
@@ -55,14 +56,14 @@ def plan_signature(plan: StagePlan, recipe: Recipe, micro_batches: int) -> dict[
 
 
 def starting_model(
-    args: PipelineArgs, recipe: Recipe, out: Path, rank: int
+    args: PipelineArgs, recipe: Recipe, out: Path, stage: int
 ) -> tuple[DeepseekV41ForCausalLM, dict[str, Any], dict[str, Any] | None]:
     """The weights every stage starts from (the same on every rank), the counters, and this
     stage's resumable state when `--resume` finds every stage's (then the weights come from it)."""
     if args.resume:
         paths = [state_path(out, i, args.stages) for i in range(args.stages)]
         if all(p.exists() for p in paths):
-            state = torch.load(paths[rank], map_location="cpu", weights_only=False)
+            state = torch.load(paths[stage], map_location="cpu", weights_only=False)
             return fresh_model(recipe), {k: state[k] for k in COUNTERS}, state
         cold = cold_start(recipe, out, None)
         if cold is None:
@@ -128,28 +129,30 @@ def write_checkpoint(
     plan: StagePlan,
     recipe: Recipe,
     directory: Path,
-    rank: int,
+    mesh: Mesh,
     stage_info: dict[str, Any] | None,
 ) -> None:
-    """Gather every stage's state dict on stage 0 and write one Hugging Face-format model."""
-    own = {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
-    parts: list[Any] = [None] * plan.stages if rank == 0 else []
-    dist.gather_object(own, parts if rank == 0 else None, dst=0)
-    if rank == 0:
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        full = fresh_model(recipe)
-        full.load_state_dict(merged, strict=True)
-        if stage_info is None:
-            save_export(full, directory)
-        else:
-            write_stage(full, directory, recipe, stage_info)
+    """Gather every stage's state dict on stage 0 and write one Hugging Face-format model (the
+    shards of a stage hold the same weights: the first shard's pipeline writes it)."""
+    if mesh.shard == 0:
+        own = {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
+        parts: list[Any] = [None] * plan.stages if mesh.rank == 0 else []
+        dist.gather_object(own, parts if mesh.rank == 0 else None, dst=0, group=mesh.column)
+        if mesh.rank == 0:
+            merged: dict[str, torch.Tensor] = {}
+            for part in parts:
+                merged.update(part)
+            full = fresh_model(recipe)
+            full.load_state_dict(merged, strict=True)
+            if stage_info is None:
+                save_export(full, directory)
+            else:
+                write_stage(full, directory, recipe, stage_info)
     dist.barrier()
 
 
 def write_report(
-    rank: int,
+    mesh: Mesh,
     args: PipelineArgs,
     plan: StagePlan,
     module: StageModule,
@@ -160,7 +163,10 @@ def write_report(
 ) -> dict[str, Any] | None:
     """Stage 0 writes OUT/pipeline.json: the plan, bytes per boundary, step times, the bubble
     fraction measured (1 - busy time / step time, per stage) and each stage's shared-state trace
-    of the last step."""
+    of the last step (the first shard's pipeline, under context parallelism)."""
+    if mesh.shard != 0:
+        return None
+    rank = mesh.stage
     mine = {
         "stage": rank,
         "median_step_seconds": statistics.median(times) if times else None,
@@ -169,13 +175,14 @@ def write_report(
         "sent": _boundary_bytes(module, plan, rank),
     }
     gathered: list[Any] = [None] * plan.stages if rank == 0 else []
-    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0, group=mesh.column)
     if rank != 0:
         return None
     step_s = max(g["median_step_seconds"] or 0.0 for g in gathered)
     report = {
         "recipe": args.get_recipe().name,
         "stages": plan.stages,
+        "context_parallel": mesh.shards,
         "micro_batches": args.micro_batches,
         "schedule": args.schedule,
         "boundaries": list(plan.starts[1:]),
