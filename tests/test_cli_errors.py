@@ -62,6 +62,7 @@ def replaykv(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         (["train", "--recipe", "tiny", "--out", "x", "--pipeline-stages", "2", "--stage-boundaries", "a"], "--stage-boundaries"),
         (["train", "--recipe", "tiny", "--out", "x", "--pipeline-stages", "2", "--stage-boundaries", "12"], "boundaries"),
         (["train", "--recipe", "adapt", "--out", "x", "--pipeline-stages", "2"], "follow-up paths"),
+        (["train", "--recipe", "small", "--out", "x", "--context-parallel", "3"], "shards of equal length"),
         (["route", "--replica", "nope"], "--replica"),
         (["route", "--replica", "http://127.0.0.1:1", "--cache-threshold", "2"], "--cache-threshold"),
         (["route"], "--replica"),

@@ -196,7 +196,7 @@ def free_port() -> int:
 def launch(args: PipelineArgs) -> dict[str, Any] | None:
     """Run the pipeline: in this process when torchrun started it (RANK / WORLD_SIZE set), else
     in `args.processes` spawned processes. Returns stage 0's report (None on other torchrun ranks)."""
-    _check_recipe(args.get_recipe())
+    _check_recipe(args.get_recipe(), args.context)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != args.processes:
@@ -240,7 +240,20 @@ def _spawned(rank: int, args: PipelineArgs) -> None:
     worker(rank, args)
 
 
-def _check_recipe(recipe: Recipe) -> None:
+def _check_recipe(recipe: Recipe, context: int = 1) -> None:
+    if context > 1:
+        from replaykv.model.presets_v41 import get_preset_v41
+        from replaykv.model.spec import ModelSpec
+
+        spec = ModelSpec.from_config(get_preset_v41(recipe.preset))
+        for phase in recipe.phases:
+            shard, rest = divmod(phase.seq_len, context)
+            if rest or shard % spec.group_alignment or shard < spec.sliding_window - 1:
+                raise ValueError(
+                    f"phase {phase.name!r} of recipe {recipe.name!r}: {phase.seq_len} tokens do not split into "
+                    f"{context} shards of equal length, each a multiple of {spec.group_alignment} (the "
+                    f"compression ratios) and at least {spec.sliding_window - 1} (the window's reach)"
+                )
     for phase in recipe.phases:
         if phase.paths.decoder_replay > 0:
             raise NotImplementedError(
@@ -253,7 +266,7 @@ def _check_recipe(recipe: Recipe) -> None:
 def worker(rank: int, args: PipelineArgs) -> dict[str, Any] | None:
     """One stage's process: the whole training loop of that stage."""
     recipe = args.get_recipe()
-    _check_recipe(recipe)
+    _check_recipe(recipe, args.context)
     dev = resolve_device(args.device)
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
