@@ -40,8 +40,8 @@ from report import replace_section
 from replaykv.malloc import reexec_keeping_freed_memory
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import MixtureSampler, load_corpus
+from replaykv.train.distill import IndexerDistillation
 from replaykv.train.loop import accumulate_gradients
-from replaykv.train.paths import IndexerDistillation
 from replaykv.train.recipes import get_recipe
 from replaykv.train.setup import RouterBalance, fresh_model, make_optimizer
 from replaykv.train.speed import StepSettings

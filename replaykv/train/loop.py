@@ -3,7 +3,7 @@ with loss and tokens/s, periodic held-out evaluation, checkpoint + resume, and t
 (bf16 safetensors in Hugging Face layout, tokenizer.json, metrics.json and MODEL_CARD.md).
 
 Besides the language-model loss on the recipe's paths, two pieces of DeepSeek's recipe keep the
-sparse machinery alive: the indexer KL (see :class:`replaykv.train.paths.IndexerDistillation`)
+sparse machinery alive: the indexer KL (see :class:`replaykv.train.distill.IndexerDistillation`)
 and aux-loss-free expert balancing (:class:`RouterBalance`). Everything random is a function of
 (seed, step), and the optimiser, step, RNG states and router biases are checkpointed, so a
 resumed run continues exactly as an uninterrupted one.
@@ -46,8 +46,9 @@ from replaykv.model.checkpoint import has_weights, load_model
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
+from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evaluate import evaluate, render_card
-from replaykv.train.paths import IndexerDistillation, path_losses
+from replaykv.train.paths import path_losses
 from replaykv.train.recipes import Phase, Recipe
 from replaykv.train.setup import (
     RouterBalance,

@@ -26,11 +26,11 @@ from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.replay import CacheState, plan_prefill
 from replaykv.train import cli, loop, setup
 from replaykv.train.data import MixtureSampler
+from replaykv.train.distill import IndexerDistillation
 from replaykv.train.loop import accumulate_gradients, evaluate_only, train
 from replaykv.train.paths import (
     REPLAY_FLAGS,
     CacheGuard,
-    IndexerDistillation,
     follow_up_plan,
     fork_view,
     full_plan,

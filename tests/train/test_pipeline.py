@@ -21,8 +21,8 @@ from replaykv.model.presets_v41 import get_preset_v41
 from replaykv.model.spec import ModelSpec
 from replaykv.server.settings import load_settings
 from replaykv.train.data import MixtureSampler, load_corpus
+from replaykv.train.distill import IndexerDistillation
 from replaykv.train.loop import accumulate_gradients, train
-from replaykv.train.paths import IndexerDistillation
 from replaykv.train.pipeline.plan import StagePlan
 from replaykv.train.pipeline.run import PipelineArgs, PipelineError, launch
 from replaykv.train.recipes import Recipe, get_recipe

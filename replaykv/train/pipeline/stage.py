@@ -9,7 +9,7 @@ received latents, the keys through its shadow indexers), runs its layers under
 :class:`~replaykv.train.paths.CacheGuard`, and captures the latents its own sources pool where a
 later stage needs them.
 
-The indexer KL of the stage's index layers (:class:`~replaykv.train.paths.IndexerDistillation`)
+The indexer KL of the stage's index layers (:class:`~replaykv.train.distill.IndexerDistillation`)
 is not part of the pipeline's loss, which only the last stage computes: it is attached to the
 stage's first floating output by :class:`AuxLoss`, whose backward feeds it a gradient of
 `scale` when the output's gradient arrives, so each stage's KL contributes exactly as in a
@@ -45,7 +45,8 @@ from replaykv.model.v41 import (
     publish_groups,
 )
 from replaykv.train.context import ContextShards
-from replaykv.train.paths import CacheGuard, IndexerDistillation
+from replaykv.train.distill import IndexerDistillation
+from replaykv.train.paths import CacheGuard
 from replaykv.train.pipeline.plan import Boundary, StagePlan
 from replaykv.train.setup import RouterBalance
 
