@@ -31,8 +31,6 @@ from replaykv.malloc import reexec_keeping_freed_memory
 from replaykv.train.pipeline.run import PipelineArgs, launch
 from replaykv.train.recipes import Recipe, get_recipe
 
-BEGIN, END = "<!-- bench_pipeline:begin -->", "<!-- bench_pipeline:end -->"
-
 
 def first_phase(name: str, steps: int) -> Recipe:
     base = get_recipe(name)
@@ -114,9 +112,10 @@ def main() -> int:
         f"--micro-batches {args.micro_batches} --schedule {args.schedule} --payload {args.payload} "
         f"--steps {args.steps}"
     )
+    begin, end = f"<!-- bench_pipeline_{args.recipe}:begin -->", f"<!-- bench_pipeline_{args.recipe}:end -->"
     section = "\n".join(
         [
-            BEGIN,
+            begin,
             f"`{cmd}` ({phase.batch} × {phase.seq_len} tokens a step, {args.micro_batches} micro-batches, "
             f"{args.schedule}, float32 eager, {args.threads} threads shared by the stages; first step dropped):",
             "",
@@ -136,12 +135,12 @@ def main() -> int:
             "| stages | payload | stage | peak | left after each backward |",
             "|---:|---|---:|---:|---|",
             *memory_rows,
-            END,
+            end,
         ]
     )
     print(section)
     if args.write:
-        replace_section(args.write, section, BEGIN, END, f"## Pipeline-parallel training ({args.recipe})")
+        replace_section(args.write, section, begin, end, f"## Pipeline-parallel training ({args.recipe})")
     return 0
 
 
