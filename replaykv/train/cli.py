@@ -247,7 +247,7 @@ def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
         return 2
     if report is not None:
         print(
-            f"{recipe.name}: {stages} stages x {args.context_parallel} shards, {micro} micro-batches "
+            f"{recipe.name}: {stages} stage(s) x {args.context_parallel} shard(s), {micro} micro-batches "
             f"({args.schedule}); median step "
             f"{report['median_step_seconds']:.2f} s; report in {args.out}/pipeline.json"
         )

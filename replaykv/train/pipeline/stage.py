@@ -226,6 +226,16 @@ class StageModule(nn.Module):
             assert self.received is not None
             index = self.shards.index if self.shards is not None else 0
             state, selection, group = unpack(self.received, payload, self.model.config, index)
+            if micro < 0:
+                # The dry run reads uninitialised buffers: attend with no selection (arbitrary
+                # ids need not be causal for a query block). Floats stay as they are: their
+                # values do not matter, and their gradients' shapes must reach the inputs.
+                selection = Selection(
+                    *(
+                        None if t is None else torch.full_like(t, -1)
+                        for t in (selection.topk, selection.candidates)
+                    )
+                )
         b, length = state.input_ids.shape
         dtype = next(self.model.parameters()).dtype
         shards = self.shards
