@@ -24,6 +24,15 @@ its length so no two inputs share an encoding):
   chunk key, even when n is a multiple of the chunk size (the tail is then empty).
 
 Both tags are 10 bytes and the parent is always 32 bytes, so the layout is unambiguous.
+
+Images. Every position of an image span carries the same token id, so token ids alone would let
+one image's cached state serve a prompt with another image in the same place. A chunk (or the
+tail of a prefix key) that any image span overlaps is therefore hashed under its own tag, with
+the images appended: ``SHA-256(b"RKV-CHUNKI" || parent || frame(tokens) || u64 count || for each
+overlapping image in order: i64 span start - chunk start || u64 span length || digest)`` (tail:
+tag ``b"RKV-PREFXI"``, start relative to the tail's first position). The digest is the image's
+content digest (:attr:`replaykv.images.PreparedImage.digest`, 32 bytes). Text-only chunks keep
+their keys, so stores written before images existed stay valid.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import numpy as np
 __all__ = [
     "KEY_BYTES",
     "TOKEN_DTYPE",
+    "ImageKeyPart",
     "KeyNamespace",
     "PrefixKeyBuilder",
     "TokenIds",
@@ -64,7 +74,12 @@ TokenIds: TypeAlias = Sequence[int] | np.ndarray
 _DOMAIN = b"replaykv.keys.v1"
 _CHUNK_TAG = b"RKV-CHUNK\x00"
 _PREFIX_TAG = b"RKV-PREFIX"
-assert len(_CHUNK_TAG) == len(_PREFIX_TAG) == 10
+_IMAGE_CHUNK_TAG = b"RKV-CHUNKI"
+_IMAGE_PREFIX_TAG = b"RKV-PREFXI"
+assert len(_CHUNK_TAG) == len(_PREFIX_TAG) == len(_IMAGE_CHUNK_TAG) == len(_IMAGE_PREFIX_TAG) == 10
+
+ImageKeyPart: TypeAlias = tuple[int, int, bytes]
+"""An image in a token sequence, as keys see it: (span start, span length, 32-byte content digest)."""
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 
@@ -203,8 +218,32 @@ def _check_parent(parent: bytes) -> None:
         raise ValueError(f"a parent key must be {KEY_BYTES} bytes")
 
 
-def _chunk_digest(parent: bytes, token_bytes: bytes) -> bytes:
+def _chunk_digest(parent: bytes, token_bytes: bytes, images: bytes = b"") -> bytes:
+    if images:
+        return hashlib.sha256(_IMAGE_CHUNK_TAG + parent + _frame(token_bytes) + images).digest()
     return hashlib.sha256(_CHUNK_TAG + parent + _frame(token_bytes)).digest()
+
+
+def _check_images(images: Sequence[ImageKeyPart], n_tokens: int) -> tuple[ImageKeyPart, ...]:
+    """Images sorted by start, checked: 32-byte digests, positive lengths, inside the sequence
+    (a prefix may end inside a span: spans are cut at the end), no overlaps."""
+    out = tuple(sorted((int(s), int(n), bytes(d)) for s, n, d in images))
+    end = 0
+    for start, length, digest in out:
+        if len(digest) != KEY_BYTES:
+            raise ValueError(f"an image digest must be {KEY_BYTES} bytes; got {len(digest)}")
+        if length <= 0 or start < end:
+            raise ValueError(f"image spans must be non-empty and must not overlap; got one at {start}")
+        end = start + length
+    return out
+
+
+def _image_bytes(images: tuple[ImageKeyPart, ...], a: int, b: int) -> bytes:
+    """The image part of the hash of positions [a, b): every span overlapping them (empty if none)."""
+    hits = [(s, n, d) for s, n, d in images if s < b and s + n > a] if a < b else []
+    if not hits:
+        return b""
+    return _U64.pack(len(hits)) + b"".join(_I64.pack(s - a) + _U64.pack(n) + d for s, n, d in hits)
 
 
 def next_chunk_key(parent: bytes, chunk_tokens: TokenIds) -> bytes:
@@ -256,7 +295,9 @@ def prefix_key(namespace: KeyNamespace, tokens: TokenIds) -> bytes:
     return _prefix_digest(parent, arr[len(complete) * size :].tobytes())
 
 
-def _prefix_digest(parent: bytes, tail_bytes: bytes) -> bytes:
+def _prefix_digest(parent: bytes, tail_bytes: bytes, images: bytes = b"") -> bytes:
+    if images:
+        return hashlib.sha256(_IMAGE_PREFIX_TAG + parent + _frame(tail_bytes) + images).digest()
     return hashlib.sha256(_PREFIX_TAG + parent + _frame(tail_bytes)).digest()
 
 
@@ -283,10 +324,13 @@ class PrefixKeyBuilder:
     Not thread-safe: one builder per request.
     """
 
-    def __init__(self, namespace: KeyNamespace, tokens: TokenIds) -> None:
+    def __init__(
+        self, namespace: KeyNamespace, tokens: TokenIds, images: Sequence[ImageKeyPart] = ()
+    ) -> None:
         self.namespace = namespace
         self.tokens = token_array(tokens)
         self.chunk_size = namespace.chunk_size
+        self.images = _check_images(images, self.tokens.size)
         self._keys: list[bytes] = []
 
     def _extend(self, n: int) -> int:
@@ -296,7 +340,8 @@ class PrefixKeyBuilder:
         want = n // size
         parent = self._keys[-1] if self._keys else self.namespace.seed()
         for i in range(len(self._keys), want):
-            parent = _chunk_digest(parent, self.tokens[i * size : (i + 1) * size].tobytes())
+            a, b = i * size, (i + 1) * size
+            parent = _chunk_digest(parent, self.tokens[a:b].tobytes(), _image_bytes(self.images, a, b))
             self._keys.append(parent)
         return want
 
@@ -308,7 +353,8 @@ class PrefixKeyBuilder:
         """Key of the exact prefix ``tokens[:n]``."""
         count = self._extend(n)
         parent = self._keys[count - 1] if count else self.namespace.seed()
-        return _prefix_digest(parent, self.tokens[count * self.chunk_size : n].tobytes())
+        a = count * self.chunk_size
+        return _prefix_digest(parent, self.tokens[a:n].tobytes(), _image_bytes(self.images, a, n))
 
 
 def key_hex(key: bytes) -> str:

@@ -48,7 +48,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,14 @@ import numpy as np
 
 from replaykv.cache.device_pool import DevicePool
 from replaykv.cache.faultlog import FaultLog
-from replaykv.cache.keys import KeyNamespace, PrefixKeyBuilder, TokenIds, prefix_key_from_parent, token_array
+from replaykv.cache.keys import (
+    ImageKeyPart,
+    KeyNamespace,
+    PrefixKeyBuilder,
+    TokenIds,
+    prefix_key_from_parent,
+    token_array,
+)
 from replaykv.cache.layout import (
     CacheLayout,
     GlobalChunk,
@@ -282,13 +289,22 @@ class CacheManager:
         return prefix_key_from_parent(keys[h // self.chunk_size - 1], ())
 
     # ---------------------------------------------------------------- lookup
-    def lookup(self, tokens: TokenIds, salt: bytes | str, *, max_hit_tokens: int | None = None) -> CachePlan:
+    def lookup(
+        self,
+        tokens: TokenIds,
+        salt: bytes | str,
+        *,
+        max_hit_tokens: int | None = None,
+        images: Sequence[ImageKeyPart] = (),
+    ) -> CachePlan:
         """What the tiers hold for ``tokens`` under ``salt``; no data is read.
 
         ``max_hit_tokens`` caps H (default ``len(tokens) − 1``: the last token is always computed).
+        ``images``: the prompt's image spans (start, length, content digest); keys hash them, so
+        the same text with another image never hits.
         """
         ns = self.namespace(salt)
-        builder = PrefixKeyBuilder(ns, tokens)
+        builder = PrefixKeyBuilder(ns, tokens, images)
         n = int(builder.tokens.size)
         limit = max(0, n - 1 if max_hit_tokens is None else min(n, max_hit_tokens))
         c = self.chunk_size
@@ -601,12 +617,20 @@ class CacheManager:
 
     # ---------------------------------------------------------------- write-back
     def commit(
-        self, tokens: TokenIds, view: CacheView, row: int, salt: bytes | str, *, at_turn_end: bool
+        self,
+        tokens: TokenIds,
+        view: CacheView,
+        row: int,
+        salt: bytes | str,
+        *,
+        at_turn_end: bool,
+        images: Sequence[ImageKeyPart] = (),
     ) -> bool:
         """Queue write-back of what ``row`` holds after processing ``tokens`` (its position = len).
 
         New complete chunks go to the store and the device cache; with ``at_turn_end`` also the
         tail entry at the end (store) and the window snapshot (SWA pool; store too under ``"v4"``).
+        ``images``: the image spans of ``tokens`` (as for :meth:`lookup`).
         Call it with ``at_turn_end=True`` where a later request may continue: the end of the
         prefill and the end of the generation; ``False`` (e.g. every few chunks while decoding)
         writes complete chunks only.
@@ -623,7 +647,7 @@ class CacheManager:
         ns = self.namespace(salt)
         digest = ns.seed()
         now = self._clock()
-        builder = PrefixKeyBuilder(ns, arr)
+        builder = PrefixKeyBuilder(ns, arr, images)
         keys = builder.chunk_keys()
         chunks: list[tuple[bytes, GlobalChunk]] = []
         with self._pending_lock:

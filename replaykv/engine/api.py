@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 
+from replaykv.images import PromptImage
 from replaykv.replay import ReplayFlags
 
 
@@ -79,7 +80,9 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Request:
     """One generation request. `salt` is the tenant salt the server derived from the API key (a
-    client never chooses it). `replay` overrides the engine's replay switches for experiments."""
+    client never chooses it). `replay` overrides the engine's replay switches for experiments.
+    `images`: the prompt's images, each over a span of positions that carry the model's image
+    token id (the model needs a vision tower)."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -88,6 +91,7 @@ class Request:
     replay: ReplayFlags | None = None
     prompt_logprobs: bool = False
     full_path_fallback: bool = False
+    images: tuple[PromptImage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class Accounting:
     window_floors: tuple[int, ...]
     snapshot_hit: bool
     reasons: tuple[str, ...] = ()
+    image_tokens: int = 0  # prompt positions inside image spans
+    images_encoded: int = 0  # images the tower ran for (the others were not needed, or cached)
 
 
 @dataclass(frozen=True)

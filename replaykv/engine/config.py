@@ -87,6 +87,7 @@ class EngineConfig:
     redis_url: str | None = None
     redis_cluster: bool = False
     swa_pool_ttl_s: float = 300.0
+    image_feature_cache_bytes: int = 256 * 1024 * 1024
     swa_pool_capacity_bytes: int | None = None
     store_dir: str | None = field(default_factory=default_store_dir)
     store_format: str | None = None
@@ -142,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"redis_cluster needs swa_pool 'redis'; got swa_pool {self.swa_pool!r}")
         if not self.swa_pool_ttl_s > 0:
             raise ValueError(f"swa_pool_ttl_s must be > 0 seconds; got {self.swa_pool_ttl_s}")
+        if self.image_feature_cache_bytes < 0:
+            raise ValueError(f"image_feature_cache_bytes must be >= 0; got {self.image_feature_cache_bytes}")
         if self.swa_pool_capacity_bytes is not None and self.swa_pool_capacity_bytes <= 0:
             raise ValueError("swa_pool_capacity_bytes must be > 0, or None for 10% of host memory")
         if self.store_format is not None and self.store_format not in STORE_FORMATS:

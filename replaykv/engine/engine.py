@@ -51,6 +51,7 @@ from prometheus_client.metrics_core import Metric
 
 from replaykv.cache.device_pool import DevicePool
 from replaykv.cache.faultlog import FaultLog
+from replaykv.cache.features import FeatureCache
 from replaykv.cache.layout import CacheLayout
 from replaykv.cache.manager import CacheManager
 from replaykv.cache.store import LocalStore
@@ -246,6 +247,11 @@ def _row_tensors(view: CacheView) -> list[torch.Tensor]:
     return list(out.values())
 
 
+def _key_parts(request: Request) -> tuple[tuple[int, int, bytes], ...]:
+    """What prefix keys hash of a request's images."""
+    return tuple(im.key_part for im in request.images)
+
+
 def _weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
@@ -301,6 +307,8 @@ class _Active:
     at_call: int = 0
     cursor: int = 0
     pieces: list[_Piece] = field(default_factory=list)
+    spans: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> span vectors
+    images_encoded: int = 0
     decoding: bool = False
     last_token: int = -1
     last_token_at: float = 0.0
@@ -347,6 +355,9 @@ class Engine(EngineAPI):
         self._decode_views: dict[int, CacheView] = {}
         self._tensors = _row_tensors(self.view)
         self.cache = self._build_cache(cache_dtype) if config.caching else None
+        self.vision = getattr(self.model.model, "vision", None)
+        self.image_token_id = int(getattr(model_config, "image_token_id", -1))
+        self.features: FeatureCache = FeatureCache(config.image_feature_cache_bytes, config.swa_pool_ttl_s)
         self.metrics: EngineCounters = EngineCounters()
         self._commit_faults = FaultLog(log, "cache commit")
 
@@ -452,6 +463,7 @@ class Engine(EngineAPI):
                 f"the prompt has {len(prompt)} tokens but at most {max(limit, 0)} fit (max_context "
                 f"{self.config.max_context} - max_tokens {request.sampling.max_tokens}); shorten it or lower max_tokens"
             )
+        self._check_images(request)
         flags = request.replay if request.replay is not None else self.config.replay_flags
         try:
             return check_request_options(
@@ -459,6 +471,47 @@ class Engine(EngineAPI):
             )
         except ReplayOptionError as exc:
             raise InvalidRequest(str(exc)) from exc
+
+    def _check_images(self, request: Request) -> None:
+        """Image spans inside the prompt, not overlapping, over image-token positions only."""
+        if not request.images:
+            return
+        if self.vision is None:
+            raise InvalidRequest(f"the model {self.model_name!r} has no vision tower; it reads text only")
+        prompt, end = request.prompt_ids, 0
+        for i, im in enumerate(sorted(request.images, key=lambda im: im.start)):
+            if im.start < end or im.end > len(prompt) or im.start < 0:
+                raise InvalidRequest(
+                    f"image {i}: its span [{im.start}, {im.end}) overlaps another or leaves the prompt "
+                    f"of {len(prompt)} tokens"
+                )
+            if any(t != self.image_token_id for t in prompt[im.start : im.end]):
+                raise InvalidRequest(
+                    f"image {i}: positions [{im.start}, {im.end}) must all carry the image token id "
+                    f"{self.image_token_id}"
+                )
+            end = im.end
+
+    def _spans(self, r: _Active, t0: int, t1: int) -> list[tuple[int, torch.Tensor]]:
+        """Span vectors of the request's images that rows [t0, t1) overlap: from the feature
+        cache, else by running the tower (then kept in the cache)."""
+        out = []
+        for i, im in enumerate(r.request.images):
+            if im.start >= t1 or im.end <= t0:
+                continue
+            vectors = r.spans.get(i)
+            if vectors is None:
+                vectors = self.features.get(im.image.digest)
+                if vectors is None:
+                    assert self.vision is not None
+                    with torch.inference_mode():
+                        vectors = self.vision.span(im.image)
+                    self.features.put(im.image.digest, vectors)
+                    r.images_encoded += 1
+                    self.metrics.images_encoded.inc()
+                r.spans[i] = vectors
+            out.append((im.start, vectors))
+        return out
 
     def _retry_after_locked(self) -> float:
         mean = self.metrics.e2e.as_dict()["mean"]
@@ -469,9 +522,10 @@ class Engine(EngineAPI):
         return engine_families(self)
 
     def cache_stats(self) -> dict[str, Any]:
+        features = {"image_features": self.features.as_dict()} if self.vision is not None else {}
         if self.cache is None:
-            return {"caching": False}
-        return {"caching": True, **self.cache.stats()}
+            return {"caching": False, **features}
+        return {"caching": True, **self.cache.stats(), **features}
 
     def flush_writeback(self) -> None:
         """Wait until every queued write-back job has finished (tests, benchmarks, shutdown)."""
@@ -484,6 +538,7 @@ class Engine(EngineAPI):
             self.cache.swa_pool.flush()
 
     def flush_all(self) -> None:
+        self.features.clear()
         cache = self.cache
         if cache is None:
             return
@@ -607,7 +662,7 @@ class Engine(EngineAPI):
         hit, snapshot = 0, False
         reasons: tuple[str, ...] = ()
         if self.cache is not None:
-            looked = self.cache.lookup(tokens, w.request.salt)
+            looked = self.cache.lookup(tokens, w.request.salt, images=_key_parts(w.request))
             loaded = self.cache.load(looked, view, 0) if looked.hit_tokens else looked
             hit, snapshot, reasons = loaded.hit_tokens, loaded.snapshot_at_hit, loaded.reasons
             if hit and not loaded.carry_at_hit:
@@ -632,6 +687,7 @@ class Engine(EngineAPI):
             window_floors=plan.window_floors,
             snapshot_hit=plan.restore_snapshot_at is not None,
             reasons=tuple(reasons) + plan.notes,
+            image_tokens=sum(im.end - im.start for im in w.request.images),
         )
         sampling = w.request.sampling
         r = _Active(
@@ -696,7 +752,8 @@ class Engine(EngineAPI):
         a, b = call.layers
         view = self._row_views[r.row]
         if a == 0:
-            state, selection = self.model.embed(r.ids[:, t0:t1]), Selection()
+            spans = self._spans(r, t0, t1) if r.request.images else []
+            state, selection = self.model.embed(r.ids[:, t0:t1], spans, t0), Selection()
         else:
             state, selection = _gather(r.pieces, a, t0, t1)
         view.positions.fill_(t0)
@@ -731,6 +788,9 @@ class Engine(EngineAPI):
         final, _ = _gather(r.pieces, len(self.spec.layers), s_len - 1, s_len)
         logits = self.model.head(final)[0, -1]
         r.pieces.clear()
+        r.spans.clear()
+        if r.images_encoded:
+            r.accounting = dataclasses.replace(r.accounting, images_encoded=r.images_encoded)
         view = self._row_views[r.row]
         view.positions.fill_(s_len)
         view.window_floor = None
@@ -851,7 +911,14 @@ class Engine(EngineAPI):
         if self.cache is None:
             return
         try:
-            self.cache.commit(tokens, self._row_views[r.row], 0, r.request.salt, at_turn_end=True)
+            self.cache.commit(
+                tokens,
+                self._row_views[r.row],
+                0,
+                r.request.salt,
+                at_turn_end=True,
+                images=_key_parts(r.request),
+            )
         except Exception as exc:  # write-back is best effort; the request itself is fine
             self.metrics.commit_errors.inc()
             self._commit_faults.failed(

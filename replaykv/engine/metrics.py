@@ -64,6 +64,7 @@ class EngineCounters:
         self.decode_tokens = Counter()
         self.decode_steps = Counter()
         self.commit_errors = Counter()
+        self.images_encoded = Counter()
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
 
@@ -136,6 +137,10 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  lambda e: e.metrics.decode_seconds),
     EngineMetric(_P + "commit_errors", "counter", "Cache write-back commits that raised (the answer was served; the entry was not kept).",
                  lambda e: e.metrics.commit_errors.value),
+    EngineMetric(_P + "images_encoded", "counter", "Images the vision tower ran for (an image whose span vectors were cached, or whose rows no layer-0 call ran, is not encoded).",
+                 lambda e: e.metrics.images_encoded.value),
+    EngineMetric(_P + "image_feature_cache_hits", "counter", "Image span vectors served from the feature cache instead of the tower.",
+                 lambda e: e.features.stats.hits),
     EngineMetric(_P + "queue_depth", "gauge", "Requests waiting for a decode slot.",
                  lambda e: e.queue_depth()),
     EngineMetric(_P + "running_requests", "gauge", "Requests holding a decode slot (prefilling or decoding).",

@@ -33,7 +33,9 @@ _FP32_SUFFIXES = (
     "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.weight", "kv_norm.weight",
     "input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
 )  # fmt: skip
-_FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "e_score_correction_bias_vl")
+_FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "e_score_correction_bias_vl", "model.vision.")
+# The image path (tower, aligner, span vectors) stays float32: its norms are LayerNorms with float32
+# weights, and its output is cast to the embedding dtype where a span is placed.
 
 # DeepSeek-V4.1 indexers sit beside the compressor (V4 nests them inside it).
 _V41_INDEXER = [
@@ -211,6 +213,8 @@ def load_model(
     with torch.device("meta"):
         model = build_model(config)
     model = model.to_empty(device="cpu")
+    # DeepSeek's released image path (``vision.``, ``aligner.``, ...) has no mapping onto ours;
+    # our own tower loads from ``model.vision.`` (see :mod:`replaykv.model.vision`).
     ignored = ("mtp.", "model.mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
     state = read_state_dict(model_dir, skip=ignored)
     family = "v41" if isinstance(config, DeepseekV41Config) else "v4"

@@ -6,8 +6,8 @@ either form (architecture notes §12):
 
 * flat: ``model_type: deepseek_v41_text`` with the text fields at the top level;
 * composite: ``model_type: deepseek_v41`` with the text fields under ``text_config`` plus
-  ``image_token_id``, ``tie_word_embeddings`` and an optional ``vision_config`` (ignored: no
-  vision tower here).
+  ``image_token_id``, ``tie_word_embeddings`` and an optional ``vision_config`` (the image
+  path, :mod:`replaykv.model.vision`; a config with one saves as the composite form).
 
 Derived values are properties: the per-layer role (window-only / Full / Reindex / Reuse), the
 KV source and selection owner of each compressed layer, the decoder cut. `__post_init__` applies
@@ -44,6 +44,7 @@ from typing import Any
 
 from replaykv.model.config import _GENERIC_HF_KEYS, RopeConfig
 from replaykv.model.quant import FP4_COMPRESSED_ENTRY, FP8_WINDOW_ENTRY, MXFP4_INDEX_KEY
+from replaykv.model.vision import DeepseekV41VisionConfig
 
 FLAT_MODEL_TYPE = "deepseek_v41_text"
 COMPOSITE_MODEL_TYPE = "deepseek_v41"
@@ -73,7 +74,7 @@ _COMPOSITE_KEYS = frozenset(
 # transformers' V4 folds `num_nextn_predict_layers` away; V4.1 uses it (DSpark draft layers).
 _GENERIC_KEYS = _GENERIC_HF_KEYS - {"num_nextn_predict_layers"}
 # Not transformers fields: stored here, written by to_dict only where transformers has them.
-_NOT_HF_FIELDS = frozenset({"rope_main", "rope_compress", "kv_quant", "image_token_id"})
+_NOT_HF_FIELDS = frozenset({"rope_main", "rope_compress", "kv_quant", "image_token_id", "vision_config"})
 _FLOAT_FIELDS = (
     "rope_theta", "compress_rope_theta", "gate_temp", "routed_scaling_factor", "swiglu_limit",
     "hc_eps", "rms_norm_eps",
@@ -222,6 +223,8 @@ class DeepseekV41Config:
     rope_compress: RopeConfig | None = None
     image_token_id: int = 129264
     kv_quant: bool = True
+    # The composite config's vision tower (None: a text-only model).
+    vision_config: DeepseekV41VisionConfig | None = None
 
     model_type = FLAT_MODEL_TYPE
 
@@ -254,6 +257,13 @@ class DeepseekV41Config:
             self._set(name, float(v))
         if isinstance(self.eos_token_id, list):
             self._set("eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.vision_config, Mapping):
+            self._set("vision_config", DeepseekV41VisionConfig.from_dict(self.vision_config))
+        if self.vision_config is not None and not 0 <= self.image_token_id < self.vocab_size:
+            raise ValueError(
+                f"image_token_id {self.image_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "a model with a vision_config needs it inside"
+            )
 
     def _refuse_unsupported(self) -> None:
         if self.engram_layer_ids:
@@ -559,7 +569,7 @@ class DeepseekV41Config:
         if model_type == COMPOSITE_MODEL_TYPE:
             text = d.pop("text_config", None)
             top = {k: d.pop(k) for k in list(d) if k in _COMPOSITE_KEYS}
-            top.pop("vision_config", None)
+            vision = top.pop("vision_config", None)
             if text is None:
                 # A composite without text_config carries the text fields at the top (transformers f026c83).
                 text = {k: v for k, v in d.items() if k not in _GENERIC_KEYS}
@@ -586,6 +596,10 @@ class DeepseekV41Config:
                     text.setdefault(key, top.pop(key))  # text_config wins when both are given
             if "image_token_id" in top:
                 text["image_token_id"] = top.pop("image_token_id")
+            if vision is not None and not backbone_only:
+                if not isinstance(vision, Mapping):
+                    raise ValueError(f"vision_config must be a mapping, got {type(vision).__name__}")
+                text["vision_config"] = DeepseekV41VisionConfig.from_dict(vision)
             d = text
         elif model_type != FLAT_MODEL_TYPE:
             raise ValueError(
@@ -670,15 +684,18 @@ class DeepseekV41Config:
             "main": self.rope_main.to_dict(self.partial_rotary_factor),
             "compress": self.rope_compress.to_dict(self.partial_rotary_factor),
         }
-        if not composite:
+        if not composite and self.vision_config is None:
             return {**text, "architectures": ["DeepseekV41ForCausalLM"]}
-        return {
+        out: dict[str, Any] = {
             "model_type": COMPOSITE_MODEL_TYPE,
             "architectures": ["DeepseekV41ForCausalLM"],
             "text_config": text,
             "image_token_id": self.image_token_id,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
+        if self.vision_config is not None:
+            out["vision_config"] = self.vision_config.to_dict()
+        return out
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON of every field that changes the text network's numbers."""

@@ -1,7 +1,8 @@
 """Random initialisation of a model built from a config (for presets without weights and tests).
 
 Follows transformers' scheme: normal(0, 0.02) matrices, unit norms, zero sinks, biases and
-position biases, ones for mHC scales; hash-routing tables are drawn uniformly. Training recipes
+position biases, ones for mHC scales; hash-routing tables are drawn uniformly. The image path's
+LayerNorms start at (1, 0), its biases at 0 and its span vectors like the embeddings. Training recipes
 draw the embeddings at their own scale and the grouped output projection at 1/sqrt(fan-in)
 (`Recipe.embed_std`, `Recipe.o_proj_fan_in`, :mod:`replaykv.train.recipes`).
 """
@@ -36,6 +37,11 @@ def init_weights(
             elif o_proj_fan_in and name.endswith(("o_a_proj", "o_b_proj")) and isinstance(module, nn.Linear):
                 scale = module.in_features**-0.5
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * scale)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, HyperConnection):
@@ -58,4 +64,6 @@ def init_weights(
             p.zero_()
         elif name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+        elif name.endswith(("image_start", "image_newline", "image_end")):
+            p.copy_(torch.randn(p.shape, generator=gen) * (std if embed_std is None else embed_std))
     return model

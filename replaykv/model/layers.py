@@ -351,8 +351,8 @@ class MoE(nn.Module):
 class RouterV41(nn.Module):
     """DeepSeek-V4.1 gate: float32 logits / gate_temp, sqrt-softplus scores, selection by top-k of
     (score + e_score_correction_bias), weights from the unbiased scores (normalised when
-    norm_topk_prob and top_k > 1), times routed_scaling_factor. `e_score_correction_bias_vl`
-    (image tokens) is loaded but unused: there are no image tokens in the text backbone."""
+    norm_topk_prob and top_k > 1), times routed_scaling_factor. Image-span positions select with
+    `e_score_correction_bias_vl` instead of the text bias."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -370,16 +370,21 @@ class RouterV41(nn.Module):
             "e_score_correction_bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32)
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (indices [T, k], weights [T, k] float32)."""
+    def forward(
+        self, x: torch.Tensor, image: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], image [T] bool or None -> (indices [T, k], weights [T, k] float32)."""
         if torch.is_autocast_enabled(x.device.type):  # training in bf16: the logits stay float32
             with torch.autocast(x.device.type, enabled=False):
-                return self.forward(x)
+                return self.forward(x, image)
         logits = linear(cast(x, torch.float32), cast(self.weight, torch.float32))
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
         scores = F.softplus(logits).sqrt()
-        indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        bias = self.e_score_correction_bias
+        if image is not None:
+            bias = torch.where(image[:, None], self.e_score_correction_bias_vl, bias)
+        indices = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False).indices
         w = scores.gather(1, indices)
         if self.normalise:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -395,10 +400,12 @@ class MoEV41(nn.Module):
         self.gate = RouterV41(config)
         self.experts = Experts(config)
         self.shared_experts = SharedExpert(config)
+        self.images = getattr(config, "vision_config", None) is not None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [..., H]; input_ids [...] (negative at image-span positions, read with a vision tower)."""
         flat = x.reshape(-1, x.shape[-1])
-        indices, weights = self.gate(flat)
+        indices, weights = self.gate(flat, input_ids.reshape(-1) < 0 if self.images else None)
         routed = self.experts(flat, indices, weights, weight_before_down=True)
         out = cast(routed, torch.float32) + cast(self.shared_experts(x).reshape_as(flat), torch.float32)
         return cast(out, x.dtype).view_as(x)

@@ -15,6 +15,7 @@ from replaykv.model.config_v41 import (
     RELEASED_KV_SOURCES,
     DeepseekV41Config,
 )
+from replaykv.model.vision import DeepseekV41VisionConfig
 
 
 def _flash_compress_rope() -> RopeConfig:
@@ -89,10 +90,34 @@ def v41_small() -> DeepseekV41Config:
     )  # fmt: skip
 
 
+def v41_tiny_vision() -> DeepseekV41Config:
+    """`v41-tiny` with an image path small enough for tests on 2 cores: a 2-layer tower of width
+    32 (2 heads), patch 14, pixel-unshuffle 3, at least 84² pixels (a 2 × 2 grid, 8 positions:
+    the window's width) and at most 64 positions per image; image token id 511 (the last id of
+    the padded vocabulary)."""
+    vision = DeepseekV41VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        min_pixels=84 * 84, max_image_tokens=64,
+    )  # fmt: skip
+    return v41_tiny().replace(vision_config=vision, image_token_id=511)
+
+
+def v41_small_vision() -> DeepseekV41Config:
+    """`v41-small` with a 4-layer tower of width 128 (4 heads, MLP 256), at least 224² pixels
+    (a 6 × 6 grid, 44 positions) and at most 256 positions per image; image token id 511."""
+    vision = DeepseekV41VisionConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        min_pixels=224 * 224, max_image_tokens=256,
+    )  # fmt: skip
+    return v41_small().replace(vision_config=vision, image_token_id=511)
+
+
 PRESETS_V41: dict[str, Callable[[], DeepseekV41Config]] = {
     "v41-flash": v41_flash,
     "v41-tiny": v41_tiny,
     "v41-small": v41_small,
+    "v41-tiny-vision": v41_tiny_vision,
+    "v41-small-vision": v41_small_vision,
 }
 
 

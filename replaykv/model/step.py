@@ -148,12 +148,16 @@ class Step:
             i0 += rows
 
 
+IMAGE_ROW_ID = -1
+"""The id a residual carries at image-span positions (their token ids are all the image token)."""
+
+
 @dataclass
 class Residual:
     """The residual state between layers: hc_mult streams and the lagged pre-mix.
 
     streams: [B, S, n, hidden]; pre_mix: [B, S, n] float32 (the collapse weights the next site
-    uses); input_ids: [B, S].
+    uses); input_ids: [B, S], `IMAGE_ROW_ID` at positions an image span covers.
     """
 
     streams: torch.Tensor

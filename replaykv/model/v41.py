@@ -18,7 +18,7 @@ The forward is split so that replay can run any layer range over any token range
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,8 @@ from replaykv.model.layers import (
 )
 from replaykv.model.quant import fp4_entry_fake_quant, fp8_window_fake_quant, mxfp4_index_fake_quant
 from replaykv.model.rope import apply_rope, inv_freq
-from replaykv.model.step import Residual, Selection, Step, build_step, flush_denormals
+from replaykv.model.step import IMAGE_ROW_ID, Residual, Selection, Step, build_step, flush_denormals
+from replaykv.model.vision import VisionTower
 
 
 class IndexerV41(nn.Module):
@@ -297,6 +298,9 @@ class DeepseekV41Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayerV41(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.vision: VisionTower | None = None
+        if config.vision_config is not None:
+            self.vision = VisionTower(config.vision_config, config.hidden_size)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -325,9 +329,29 @@ class DeepseekV41ForCausalLM(nn.Module):
             self._freqs_device = dev
         return build_step(cache.positions, cache.floors(), seq, self._freqs, write_global, global_from)
 
-    def embed(self, input_ids: torch.Tensor) -> Residual:
-        """input_ids [B, S] -> the residual entering layer 0 (stream 0 selected by the pre-mix)."""
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        spans: Sequence[tuple[int, torch.Tensor]] = (),
+        offset: int = 0,
+    ) -> Residual:
+        """input_ids [B, S] -> the residual entering layer 0 (stream 0 selected by the pre-mix).
+
+        `spans`: images of row 0, each (first position, its span's vectors [L, hidden] from
+        :meth:`VisionTower.span`); `offset`: the position of column 0. Positions a span covers
+        take its vectors instead of the token embedding, and the residual's ids there are
+        `IMAGE_ROW_ID` (the router's image bias reads them)."""
         x = self.model.embed_tokens(input_ids)
+        if spans:
+            if input_ids.shape[0] != 1:
+                raise ValueError("image spans are placed in one row at a time")
+            x, input_ids = x.clone(), input_ids.clone()
+            s = input_ids.shape[1]
+            for start, vectors in spans:
+                a, b = max(start, offset), min(start + vectors.shape[0], offset + s)
+                if a < b:
+                    x[0, a - offset : b - offset] = vectors[a - start : b - start].to(x.dtype)
+                    input_ids[0, a - offset : b - offset] = IMAGE_ROW_ID
         streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=x.device)
         pre_mix[..., 0] = 1.0
