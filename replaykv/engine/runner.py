@@ -10,6 +10,7 @@ choosing the plan (see :mod:`replaykv.replay`) or scheduling several requests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +78,18 @@ def _gather(pieces: list[_Piece], layer: int, start: int, end: int) -> tuple[Res
     return joined, _join_selections([sel for _, sel in parts], rows, joined.input_ids)
 
 
-def execute(model: SplitModel, plan: PrefillPlan, input_ids: torch.Tensor, view: CacheView) -> torch.Tensor:
+def execute(
+    model: SplitModel,
+    plan: PrefillPlan,
+    input_ids: torch.Tensor,
+    view: CacheView,
+    spans: Sequence[tuple[int, torch.Tensor]] = (),
+) -> torch.Tensor:
     """Run `plan` for the request `input_ids` [1, S] on `view` (already holding the cached global
     KV, and the snapshot when the plan restores one). Returns float32 logits [1, R, vocab] of the
-    plan's logits rows; leaves the view's position at S with no window floor."""
+    plan's logits rows; leaves the view's position at S with no window floor. `spans`: the
+    request's image spans (first position, span vectors); every call from layer 0 places the
+    vectors over the rows it runs, replayed rows included."""
     if input_ids.shape[0] != 1:
         raise ValueError("execute runs one request row; batch requests through the engine")
     pieces: list[_Piece] = []
@@ -89,7 +98,7 @@ def execute(model: SplitModel, plan: PrefillPlan, input_ids: torch.Tensor, view:
         for call in plan.calls:
             (a, b), (t0, t1) = call.layers, call.tokens
             if a == 0:
-                state, selection = model.embed(input_ids[:, t0:t1]), Selection()
+                state, selection = model.embed(input_ids[:, t0:t1], spans, t0), Selection()
             else:
                 state, selection = _gather(pieces, a, t0, t1)
             view.positions.fill_(t0)

@@ -4,18 +4,22 @@
 decoder setting), optionally drops the window snapshot it left (filling the window rings with
 garbage so that any read of them shows), then runs the follow-up request [0, S) through the
 plan the chosen path makes and returns the logits of rows [cut, S). Rows the path does not
-compute (decoder replay computes the decoder only for the last W rows) are NaN.
+compute (decoder replay computes the decoder only for the last W rows) are NaN. Images in the
+text (`images`) are placed from their span vectors on every row a layer-0 call runs, the
+earlier request's and the replayed ones alike.
 Not for: serving (the engine does the same through the cache manager).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from replaykv.cache.views import allocate_view
 from replaykv.engine.runner import execute
+from replaykv.images import PromptImage
 from replaykv.model.cache_view import CacheView
 from replaykv.model.spec import ModelSpec
 from replaykv.replay import CacheState, PrefillPlan, ReplayFlags, plan_prefill
@@ -30,12 +34,27 @@ def drop_snapshot(view: CacheView, seed: int = 0) -> None:
 
 
 def prefill_as_request(
-    model: Any, ids: torch.Tensor, view: CacheView, flags: ReplayFlags
+    model: Any,
+    ids: torch.Tensor,
+    view: CacheView,
+    flags: ReplayFlags,
+    spans: Sequence[tuple[int, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, PrefillPlan]:
     """A cold prefill of `ids` [1, S] under `flags`' decoder setting."""
     spec = ModelSpec.from_config(model.config)
     plan = plan_prefill(CacheState(tokens=ids.shape[1]), spec, flags)
-    return execute(model, plan, ids, view), plan
+    return execute(model, plan, ids, view, spans), plan
+
+
+def image_spans(model: Any, images: Sequence[PromptImage]) -> list[tuple[int, torch.Tensor]]:
+    """(first position, span vectors) of each image, from the model's tower."""
+    if not images:
+        return []
+    vision = getattr(model.model, "vision", None)
+    if vision is None:
+        raise ValueError("the model has no vision tower; it cannot read images")
+    with torch.inference_mode():
+        return [(im.start, vision.span(im.image)) for im in images]
 
 
 def score_after_cut(
@@ -44,6 +63,7 @@ def score_after_cut(
     cut: int,
     flags: ReplayFlags,
     keep_snapshot: bool,
+    images: Sequence[PromptImage] = (),
 ) -> tuple[torch.Tensor, PrefillPlan]:
     """Logits [S - cut, vocab] of the follow-up request and the plan that produced them."""
     spec = ModelSpec.from_config(model.config)
@@ -52,15 +72,26 @@ def score_after_cut(
     s_len = len(ids)
     if not 0 <= cut < s_len:
         raise ValueError(f"--cut must be in [0, {s_len}) for a {s_len}-token input, got {cut}")
-    dtype = next(model.parameters()).dtype
+    dtype = model.model.embed_tokens.weight.dtype
+    for im in images:
+        if (
+            im.start < 0
+            or im.end > s_len
+            or any(t != model.config.image_token_id for t in ids[im.start : im.end])
+        ):
+            raise ValueError(
+                f"an image's span [{im.start}, {im.end}) must lie in the input and carry the image token id "
+                f"{model.config.image_token_id}"
+            )
+    spans = image_spans(model, images)
     view = allocate_view(spec, 1, s_len, device, dtype)
     if cut > 0:
-        prefill_as_request(model, x[:, :cut], view, flags)
+        prefill_as_request(model, x[:, :cut], view, flags, spans)
     if not keep_snapshot:
         drop_snapshot(view)
     state = CacheState(tokens=s_len, global_hit=cut, snapshot_at=(cut,) if keep_snapshot and cut else ())
     plan = plan_prefill(state, spec, flags)
-    logits = execute(model, plan, x, view)[0].float()
+    logits = execute(model, plan, x, view, spans)[0].float()
     out = torch.full((s_len - cut, logits.shape[-1]), float("nan"))
     r0, r1 = plan.logits_rows
     lo = max(r0, cut)

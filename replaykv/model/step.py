@@ -7,7 +7,7 @@ size their work without a device synchronisation per layer. Not for: cache tenso
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
@@ -194,7 +194,9 @@ class SplitModel(Protocol):
 
     def step(self, cache: Any, seq: int, write_global: bool = True, global_from: int = 0) -> Step: ...
 
-    def embed(self, input_ids: torch.Tensor) -> Residual: ...
+    def embed(
+        self, input_ids: torch.Tensor, spans: Sequence[tuple[int, torch.Tensor]] = (), offset: int = 0
+    ) -> Residual: ...
 
     def run_layers(
         self, state: Residual, layers: range, step: Step, cache: Any, selection: Selection | None = None

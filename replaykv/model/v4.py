@@ -8,6 +8,8 @@ Not for: owning caches or scheduling requests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -107,7 +109,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def step(self, cache: CacheView, seq: int, write_global: bool = True, global_from: int = 0) -> Step:
         return self.model.step(cache, seq, write_global, global_from)
 
-    def embed(self, input_ids: torch.Tensor) -> Residual:
+    def embed(
+        self, input_ids: torch.Tensor, spans: Sequence[tuple[int, torch.Tensor]] = (), offset: int = 0
+    ) -> Residual:
+        if spans:
+            raise NotImplementedError("DeepSeek-V4 has no image path here; images need a DeepSeek-V4.1 model")
         x = self.model.embed_tokens(input_ids)
         streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         return Residual(streams, streams.new_zeros(streams.shape[:-1], dtype=torch.float32), input_ids)

@@ -377,12 +377,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         hidden = self.model.norm(hc_collapse(state.streams, state.pre_mix))
         return linear(hidden.float(), self.lm_head.weight.float())
 
-    def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
-        """A plain forward of S new tokens per row: every layer over every row."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: CacheView,
+        logits_rows: str = "all",
+        spans: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> torch.Tensor:
+        """A plain forward of S new tokens per row: every layer over every row. `spans`: image
+        spans of a one-row call, at absolute positions (see `embed`)."""
         if len(cache.layers) != len(self.model.layers):
             raise ValueError(f"cache view has {len(cache.layers)} layers, the model {len(self.model.layers)}")
         step = self.step(cache, input_ids.shape[1])
-        state = self.run_layers(self.embed(input_ids), range(len(self.model.layers)), step, cache)
+        offset = step.start_host[0] if spans else 0
+        state = self.run_layers(
+            self.embed(input_ids, spans, offset), range(len(self.model.layers)), step, cache
+        )
         if logits_rows == "last":
             state = state.rows(state.streams.shape[1] - 1, state.streams.shape[1])
         elif logits_rows == "none":

@@ -111,8 +111,12 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
-def reference_logits(model: Any, ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Logits [S, vocab] and the selection mask [S, N] of every index source."""
+def reference_logits(
+    model: Any, ids: list[int], inputs: torch.Tensor | None = None, image_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Logits [S, vocab] and the selection mask [S, N] of every index source. `inputs` [S, D]
+    replaces the token embeddings (image spans placed); rows where `image_rows` [S] is true
+    select experts with the image bias."""
     c = model.config
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     s_len, eps, hc, w_len = len(ids), c.rms_norm_eps, c.hc_mult, c.sliding_window
@@ -123,7 +127,7 @@ def reference_logits(model: Any, ids: list[int]) -> tuple[torch.Tensor, dict[int
     f_comp = freqs(c.rope_compress.rope_theta, rd, yarn)
     q8 = c.kv_quant
 
-    x = sd["model.embed_tokens.weight"][torch.tensor(ids)]
+    x = sd["model.embed_tokens.weight"][torch.tensor(ids)] if inputs is None else inputs.float()
     streams = x[:, None, :].repeat(1, hc, 1)  # [S, n, D]
     pre_mix = torch.zeros(s_len, hc)
     pre_mix[:, 0] = 1.0
@@ -216,7 +220,10 @@ def reference_logits(model: Any, ids: list[int]) -> tuple[torch.Tensor, dict[int
         xf = rms((attn_pre[:, :, None] * streams).sum(1), sd[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
         score = F.softplus(xf @ sd[m + "gate.weight"].T / c.gate_temp).sqrt()
-        pick = torch.topk(score + sd[m + "gate.e_score_correction_bias"], c.num_experts_per_tok, -1).indices
+        bias = sd[m + "gate.e_score_correction_bias"].expand(s_len, -1)
+        if image_rows is not None:
+            bias = torch.where(image_rows[:, None], sd[m + "gate.e_score_correction_bias_vl"], bias)
+        pick = torch.topk(score + bias, c.num_experts_per_tok, -1).indices
         wsel = score.gather(1, pick)
         if c.norm_topk_prob and c.num_experts_per_tok > 1:
             wsel = wsel / (wsel.sum(-1, keepdim=True) + 1e-20)
