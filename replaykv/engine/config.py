@@ -49,7 +49,9 @@ class EngineConfig:
 
     Caches: ``swa_pool`` "memory" | "redis" | None (off) with ``redis_url`` (``redis_cluster``: it
     names a Redis Cluster; a comma-separated list of seed nodes implies it), ``swa_pool_ttl_s``
-    and ``swa_pool_capacity_bytes`` (memory pool; None = 10% of host memory); ``store_dir`` (None
+    and ``swa_pool_capacity_bytes`` (memory pool; None = 10% of host memory);
+    ``image_feature_cache_bytes`` (image span vectors kept by content digest for
+    ``swa_pool_ttl_s``; 0 keeps none, so every image a prefill needs runs the tower); ``store_dir`` (None
     disables the persistent store) with ``store_format`` ("pack": a file per written batch,
     "file": a file per entry; None: what the directory holds, else "pack"), ``store_shared``
     (other processes write the directory too: the "file" format, entries adopted from disk),
