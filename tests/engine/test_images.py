@@ -237,7 +237,7 @@ def test_cached_prefill_with_images_equals_one_shot(tmp_path: Path, case: str) -
 
 def test_the_scenario_scorer_keeps_the_semantics_with_images(tmp_path: Path) -> None:
     """`replaykv score --cut H` with an image across the cut: the bounded path's last row equals
-    the reference; the snapshot path's rows equal the one-shot forward."""
+    the §13 reference; the snapshot, exact, truncate and full paths equal the one-shot forward."""
     engine = make_engine(tmp_path)
     model = engine.model
     engine.shutdown()
@@ -251,11 +251,19 @@ def test_the_scenario_scorer_keeps_the_semantics_with_images(tmp_path: Path) -> 
         assert plan.path == "bounded"
         ref = naive(model, ids, spans, 32, decoder)
         assert (logits[-1] - ref).abs().max().item() <= TOL
-    logits, plan = score_after_cut(
-        model, ids, 32, ReplayFlags(enable_decoder_swa_bounded_replay=False), True, images
-    )
+    view = allocate_view(ModelSpec.from_config(model.config), 1, len(ids), torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        one_shot = model(torch.tensor([ids]), view, spans=spans)[0, 32:]
+    no_dec = ReplayFlags(enable_decoder_swa_bounded_replay=False)
+    logits, plan = score_after_cut(model, ids, 32, no_dec, True, images)
     assert plan.path == "hit"
-    assert (logits[-1] - one_shot_last(model, ids, spans)).abs().max().item() <= TOL
+    assert (logits - one_shot).abs().max().item() <= TOL
+    # the exact paths rebuild image rows from layer 0 too: every row equals the one-shot forward
+    for strategy in ("exact", "truncate", "full"):
+        flags = ReplayFlags(enable_decoder_swa_bounded_replay=False, swa_miss_strategy=strategy)
+        logits, plan = score_after_cut(model, ids, 32, flags, keep_snapshot=False, images=images)
+        assert plan.path == strategy
+        assert (logits - one_shot).abs().max().item() <= TOL, strategy
     with pytest.raises(ValueError, match="image token id"):
         score_after_cut(model, ids, 32, ReplayFlags(), True, [PromptImage(20, image)])
 
