@@ -26,6 +26,7 @@ floor, so they run inside the plan's last segments (`extend`). Not for: choosing
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,14 +187,34 @@ class Piece:
         )
 
 
+RowSpans = Sequence[Sequence[tuple[int, torch.Tensor]]]
+"""Image spans per batch row: (first position, span vectors [L, hidden]) for each image of a row."""
+
+
+def embed_rows(model: SplitModel, ids: torch.Tensor, spans: RowSpans = (), offset: int = 0) -> Residual:
+    """`model.embed` of rows `ids` [B, S] at position `offset`, row b's images `spans[b]` placed."""
+    if not any(spans):
+        return model.embed(ids)
+    parts = [
+        model.embed(ids[b : b + 1], spans[b] if b < len(spans) else (), offset) for b in range(ids.shape[0])
+    ]
+    return Residual(
+        torch.cat([p.streams for p in parts]),
+        torch.cat([p.pre_mix for p in parts]),
+        torch.cat([p.input_ids for p in parts]),
+    )
+
+
 def run_plan(
     model: SplitModel,
     plan: PrefillPlan,
     ids: torch.Tensor,
     view: CacheView,
     reuse: list[Piece] | None = None,
+    spans: RowSpans = (),
 ) -> tuple[torch.Tensor, list[Piece]]:
-    """Run `plan` for the rows `ids` [B, S] on `view` with autograd (when enabled).
+    """Run `plan` for the rows `ids` [B, S] on `view` with autograd (when enabled); `spans`:
+    each row's image spans, placed on every row a layer-0 segment runs.
 
     Segments whose work matches a piece in `reuse` (same layers, rows, floor, global-KV mode,
     computed on the same rows from the same starting caches) take that piece instead of running.
@@ -207,7 +228,7 @@ def run_plan(
         if t1 <= t0 or any(p.same_work(seg) for p in pieces):
             continue
         if a == 0:
-            state, selection = model.embed(ids[:, t0:t1]), Selection()
+            state, selection = embed_rows(model, ids[:, t0:t1], spans, t0), Selection()
         else:
             state, selection = _gather(pieces, a, t0, t1)
         view.positions.fill_(t0)
