@@ -21,12 +21,9 @@ from replaykv.cli_parser import (
 )
 
 
-def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The model of `args` (with `args.model` set to the directory it came from, if any) and
-    whether its weights are random."""
-    import torch
-
-    from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
+def _find_model(args: argparse.Namespace) -> bool | None:
+    """Resolve the model source of `args` in place (`args.model`: the directory, else None and
+    `args.preset` named) and return the KV-quant override (None: as the config says)."""
     from replaykv.server.settings import model_to_load
 
     check_device(args.device)
@@ -36,6 +33,19 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         what = "is not a directory" if not found.is_dir() else "holds no config.json"
         raise UsageError(f"--model {found} {what} (a model directory: config.json + safetensors)")
     args.model = str(found) if found is not None else None
+    if args.model is None and hasattr(args, "preset"):
+        args.preset = args.preset or "small"
+    return quant
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The model of `args` (with `args.model` set to the directory it came from, if any) and
+    whether its weights are random."""
+    import torch
+
+    from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
+
+    quant = _find_model(args)
     if args.model:
         from replaykv.model.checkpoint import load_config
 
@@ -45,7 +55,6 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
 
-    args.preset = args.preset or "small"
     preset = get_preset(args.preset)
     if quant is not None:
         preset = preset.replace(kv_quant=quant)
@@ -107,6 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from replaykv.engine.oneshot import greedy_generate
     from replaykv.tokenizer import load_tokenizer
 
+    if args.image:
+        return _generate_with_images(args)
     model, random_weights = _load(args)
     tok = load_tokenizer(args.model)
     if random_weights:
@@ -119,6 +130,80 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"prompt: {args.prompt!r}")
     print(f"output: {tok.decode(new)!r}  (token ids {new})")
     print(f"{len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s")
+    return 0
+
+
+def _generate_with_images(args: argparse.Namespace) -> int:
+    """`generate --image`: BOS, the images, then the prompt text (the ids the server's helper
+    gives: :func:`replaykv.server.image_parts.raw_prompt`), run greedily by a one-row engine
+    with its caches off (the engine places the tower's span vectors)."""
+    from replaykv.engine.api import EngineError, Request, SamplingParams
+    from replaykv.engine.config import EngineConfig
+    from replaykv.engine.engine import Engine
+    from replaykv.images import ImageError, prepare_image
+    from replaykv.model.checkpoint import load_config
+    from replaykv.model.presets import get_preset
+    from replaykv.server.image_parts import VisionPath, raw_prompt
+    from replaykv.tokenizer import load_tokenizer
+
+    quant = _find_model(args)
+    model_config = load_config(args.model, kv_quant=quant) if args.model else get_preset(args.preset)
+    vision = VisionPath.of(model_config)
+    if vision is None:
+        which = f"--model {args.model}" if args.model else f"preset {args.preset!r}"
+        raise UsageError(
+            f"{which} has no vision tower, so it cannot read --image; use a model that has one "
+            "(e.g. --preset v41-tiny-vision)"
+        )
+    images = []
+    for path in args.image:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise UsageError(f"--image {path}: cannot read it ({e.strerror or e})") from e
+        try:
+            images.append(prepare_image(data, vision.config))
+        except ImageError as e:
+            raise UsageError(f"--image {path}: {e}") from e
+    tok = load_tokenizer(args.model)
+    ids, placed = raw_prompt(tok, vision, images, args.prompt)
+    config = EngineConfig(
+        model_dir=args.model,
+        preset=args.preset or "small",
+        seed=args.seed,
+        kv_quant=quant,
+        device=args.device,
+        dtype=args.dtype,
+        swa_pool=None,
+        store_dir=None,
+        device_pool_bytes=0,
+        max_batch=1,
+        max_queue=1,
+        max_context=len(ids) + args.max_tokens,
+        prefill_token_budget=args.chunk or len(ids),
+    )
+    if args.model is None:
+        print(f"note: preset {args.preset!r} with RANDOM weights; the text below is noise.")
+    engine = Engine(config)
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        result = engine.generate(Request(tuple(ids), sampling, images=placed))
+        dt = time.perf_counter() - t0
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        engine.shutdown()
+    new = result.token_ids
+    spans = ", ".join(
+        f"{p} ({im.image.grid[0]}×{im.image.grid[1]} grid)" for p, im in zip(args.image, placed, strict=True)
+    )
+    print(f"images: {spans}")
+    print(f"prompt: {args.prompt!r}")
+    print(f"output: {tok.decode(new)!r}  (token ids {new})")
+    image_tokens = sum(im.end - im.start for im in placed)
+    print(f"{len(ids)} prompt tokens ({image_tokens} in images) + {len(new)} new tokens in {dt:.2f} s")
     return 0
 
 
@@ -174,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(sp)
     sp.add_argument("--prompt", default="Hello")
     sp.add_argument("--max-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
+    sp.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image file (PNG, JPEG, ...) put before the prompt text (repeatable; the model needs a "
+        "vision tower, e.g. --preset v41-tiny-vision)",
+    )
     sp.set_defaults(func=cmd_generate)
 
     sp = sub.add_parser(
@@ -203,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=lambda a: _serve(a.rest))
 
     sp = sub.add_parser(
-        "route", help="a router in front of several serve replicas (see `replaykv route --help`)", add_help=False
+        "route",
+        help="a router in front of several serve replicas (see `replaykv route --help`)",
+        add_help=False,
     )
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _route(a.rest))

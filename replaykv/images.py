@@ -201,7 +201,9 @@ def prepare_image(
         except ImageError:
             raise
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-            raise ImageError(f"the data is not an image this server can decode ({exc})") from exc
+            raise ImageError(
+                "the data is not an image in a format that can be decoded (PNG, JPEG, GIF, BMP, WebP, ...)"
+            ) from exc
     elif isinstance(source, np.ndarray):
         if source.ndim != 3 or source.shape[2] != 3 or source.dtype != np.uint8:
             raise ImageError(f"an image array must be uint8 [H, W, 3]; got {source.dtype} {source.shape}")
@@ -234,7 +236,7 @@ def decode_data_url(url: str, limits: ImageLimits | None = None) -> bytes:
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else url[:16]
         raise ImageError(
-            f"only data: URLs are accepted for images (this server fetches nothing from the network); "
+            f"only data: URLs are accepted for images (nothing is fetched from the network); "
             f"got a {scheme!r} URL"
         )
     head, sep, payload = url[5:].partition(",")

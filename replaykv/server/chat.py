@@ -32,7 +32,15 @@ A Jinja template is rendered with each message's content replaced by a placehold
 around the placeholders is tokenized with specials recognised, each content as plain text, so
 content cannot forge a turn boundary there either. (A template that rewrites content beyond
 recognition of the placeholder is rendered with the real content, specials recognised, as
-transformers does.)
+transformers does; such a template cannot take images.)
+
+Images: a message's content may be a sequence of text pieces and :class:`ImageSlot` entries. A slot
+becomes its span, ``length`` copies of the model's image token id, at that place in the content;
+:meth:`ChatTemplate.render_with_images` also returns where each span starts. Text cannot forge
+an image: the model reads image vectors only at the spans a request names (text that happens to
+encode to the image token id stays a text embedding), and cache keys hash each span's pixels.
+The same messages always give the same ids and spans, so a turn that re-sends an earlier turn's
+images extends that turn's prefix.
 
 Not for: tokenizing anything but chat (see :mod:`replaykv.tokenizer`).
 """
@@ -45,7 +53,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from replaykv.tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, Tokenizer
 
@@ -53,6 +61,47 @@ TEMPLATE_FILE = "chat_template.json"
 JINJA_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_FORMAT = "replaykv.chat_template.v1"
 _PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
+
+
+@dataclass(frozen=True)
+class ImageSlot:
+    """An image's place in a message's content: its span of `length` positions, each carrying
+    `token_id` (the model's image token). `index` numbers the request's images, so that the
+    rendered starts can be matched to them."""
+
+    index: int
+    length: int
+    token_id: int
+
+
+Content: TypeAlias = str | tuple[str | ImageSlot, ...]
+"""A message's content: text, or text pieces and image slots in order."""
+
+
+def encode_content(content: Content, tokenizer: Tokenizer, ids: list[int], starts: dict[int, int]) -> None:
+    """Append the ids of `content` to `ids` (text as plain bytes, a slot as its span) and record
+    each slot's first position in `starts` (image index → position)."""
+    if isinstance(content, str):
+        ids += tokenizer.encode(content)
+        return
+    for piece in content:
+        if isinstance(piece, ImageSlot):
+            starts[piece.index] = len(ids)
+            ids += [piece.token_id] * piece.length
+        else:
+            ids += tokenizer.encode(piece)
+
+
+def _text_of(content: Content) -> str:
+    """The text of `content`, for a template that must see it (images refused)."""
+    if isinstance(content, str):
+        return content
+    if any(isinstance(piece, ImageSlot) for piece in content):
+        raise ChatTemplateError(
+            "this model's chat template rewrites message content, so images cannot be placed in it",
+            "messages",
+        )
+    return "".join(piece for piece in content if isinstance(piece, str))
 
 
 class ChatTemplateError(ValueError):
@@ -119,11 +168,18 @@ class ChatTemplate:
                 return jinja
         return BUILTIN_TEMPLATE
 
-    def render(self, messages: Sequence[tuple[str, str]], tokenizer: Tokenizer) -> list[int]:
+    def render(self, messages: Sequence[tuple[str, Content]], tokenizer: Tokenizer) -> list[int]:
         """Prompt ids of `messages` [(role, content), ...] followed by the generation prompt."""
+        return self.render_with_images(messages, tokenizer)[0]
+
+    def render_with_images(
+        self, messages: Sequence[tuple[str, Content]], tokenizer: Tokenizer
+    ) -> tuple[list[int], dict[int, int]]:
+        """Prompt ids of `messages` and the first position of each image slot (index → start)."""
         if not messages:
             raise ChatTemplateError("messages must hold at least one message", "messages")
         ids = _encode_template(self.bos, tokenizer)
+        starts: dict[int, int] = {}
         for i, (role, content) in enumerate(messages):
             if role not in self.roles:
                 raise ChatTemplateError(
@@ -132,9 +188,9 @@ class ChatTemplate:
                 )
             before, after = self.roles[role]
             ids += _encode_template(before, tokenizer)
-            ids += tokenizer.encode(content)
+            encode_content(content, tokenizer, ids, starts)
             ids += _encode_template(after, tokenizer)
-        return ids + _encode_template(self.generation_prompt, tokenizer)
+        return ids + _encode_template(self.generation_prompt, tokenizer), starts
 
     def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """Stop entries that name a special of `tokenizer`, as ids."""
@@ -173,7 +229,9 @@ class JinjaChatTemplate:
         if source is None:
             return None
         if not isinstance(source, str):
-            raise ChatTemplateError(f"{config_path}: chat_template must be a string or a list of named templates")
+            raise ChatTemplateError(
+                f"{config_path}: chat_template must be a string or a list of named templates"
+            )
         variables: dict[str, str] = {}
         for key, value in config.items():
             name = value.get("content") if isinstance(value, dict) else value
@@ -215,22 +273,36 @@ class JinjaChatTemplate:
 
     def render(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[tuple[str, Content]],
         tokenizer: Tokenizer,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids of `messages` [(role, content), ...] followed by the generation prompt."""
+        return self.render_with_images(messages, tokenizer, tools)[0]
+
+    def render_with_images(
+        self,
+        messages: Sequence[tuple[str, Content]],
+        tokenizer: Tokenizer,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[list[int], dict[int, int]]:
+        """Prompt ids of `messages` and the first position of each image slot (index → start)."""
         if not messages:
             raise ChatTemplateError("messages must hold at least one message", "messages")
         held = [(role, f"\ue000{i}\ue001") for i, (role, _) in enumerate(messages)]
         text = self.render_text(held, tools=tools)
         pieces = _PLACEHOLDER.split(text)
+        starts: dict[int, int] = {}
         if sorted(int(i) for i in pieces[1::2]) != list(range(len(messages))):
-            return _encode_template(self.render_text(messages, tools=tools), tokenizer)
+            plain = [(role, _text_of(content)) for role, content in messages]
+            return _encode_template(self.render_text(plain, tools=tools), tokenizer), starts
         ids: list[int] = []
         for k, piece in enumerate(pieces):
-            ids += tokenizer.encode(messages[int(piece)][1]) if k % 2 else _encode_template(piece, tokenizer)
-        return ids
+            if k % 2:
+                encode_content(messages[int(piece)][1], tokenizer, ids, starts)
+            else:
+                ids += _encode_template(piece, tokenizer)
+        return ids, starts
 
     def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         named = tuple(tokenizer.special_ids[s] for s in self.stop if s in tokenizer.special_ids)

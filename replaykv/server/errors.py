@@ -34,7 +34,6 @@ ERROR_TYPES = {
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection"; only in metrics
 
 
-
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
@@ -111,7 +110,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 _UNION_HINTS = {
     "prompt": "must be a string or a non-empty list of token ids (integers >= 0)",
     "stop": "must be a string or a list of at most 4 non-empty strings",
-    "content": 'must be a string, null, or a list of {"type": "text", "text": ...} parts',
+    "content": (
+        'must be a string, null, or a list of {"type": "text", "text": ...} and '
+        '{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} parts'
+    ),
     "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
@@ -129,5 +131,3 @@ def engine_error(exc: EngineError) -> ApiError:
         log.error("engine error: %s", exc)
     code = "engine_unavailable" if status == 503 else "invalid_request" if status == 400 else "engine_error"
     return ApiError(status, str(exc) or type(exc).__name__, None, code)
-
-

@@ -1,9 +1,11 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming or not.
 
 For: turning a validated body into engine requests (one per choice), and their results into
-OpenAI responses: ``n`` choices (``best_of`` ranked by mean token log-probability), ``echo``,
-log-probabilities, token ids, tool calls (:mod:`replaykv.server.tools`), the ``response_format``
-report (:mod:`replaykv.server.response_format`) and usage (on a stream only with
+OpenAI responses: image parts (checked, decoded off the event loop, placed as spans;
+:mod:`replaykv.server.image_parts`), ``n`` choices (``best_of`` ranked by mean token
+log-probability), ``echo``, log-probabilities, token ids, tool calls
+(:mod:`replaykv.server.tools`), the ``response_format`` report
+(:mod:`replaykv.server.response_format`) and usage (on a stream only with
 ``stream_options.include_usage``, in a last chunk without choices). Streamed choices interleave,
 each chunk naming its ``index``; a choice that may still turn into a tool call is held back
 until it is known, then sent as one ``tool_calls`` delta or as content.
@@ -21,11 +23,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from replaykv.engine.api import Accounting, RequestHandle, TokenLogprob
+from replaykv.images import PreparedImage, PromptImage
 from replaykv.server import schemas
-from replaykv.server.chat import ChatTemplateError, JinjaChatTemplate
+from replaykv.server.chat import ChatTemplateError, Content, JinjaChatTemplate
 from replaykv.server.errors import ApiError
+from replaykv.server.image_parts import decode_images, image_parts, message_content, place
 from replaykv.server.response_format import conformance
 from replaykv.server.service import Collected, Service, sse
 from replaykv.server.tools import (
@@ -66,7 +71,9 @@ def add_openai_routes(app: FastAPI, svc: Service, default_max_tokens: int) -> No
             echo = body.prompt if isinstance(body.prompt, str) else svc.tokenizer.decode(ids)
         if body.stream:
             events = _stream_completion(svc, http, handles, rid, body, len(ids), echo)
-            return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            )
         got = await svc.collect(http, handles)
         order = sorted(range(count), key=lambda i: -got[i].mean_logprob)[: body.n] if ranked else range(count)
         choices = []
@@ -87,7 +94,11 @@ def add_openai_routes(app: FastAPI, svc: Service, default_max_tokens: int) -> No
                 400, "give max_tokens or max_completion_tokens, not two different values", "max_tokens"
             )
         functions = [Function.of(t.function.name, t.function.parameters) for t in body.tools or ()]
-        ids = _chat_prompt(svc, body, functions)
+        found = image_parts(body.messages, svc.vision, svc.image_limits, svc.model_name)
+        prepared: list[PreparedImage] = []
+        if found and svc.vision is not None:  # decoding is CPU work: off the event loop
+            prepared = await run_in_threadpool(decode_images, found, svc.vision, svc.image_limits)
+        ids, images = _chat_prompt(svc, body, functions, prepared)
         choice = body.tool_choice_name
         opening = forced_opening(choice, functions)
         ids += svc.encode(opening, "tool_choice")
@@ -104,11 +115,14 @@ def add_openai_routes(app: FastAPI, svc: Service, default_max_tokens: int) -> No
             svc.template.stop_token_ids(svc.tokenizer),
             svc.template.stop_strings(svc.tokenizer),
             logprobs=body.logprobs_k,
+            images=images,
         )
         answers = _ChatAnswers(svc, body, rid, functions, opening)
         if body.stream:
             events = answers.stream(http, handles, len(ids))
-            return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            )
         got = await svc.collect(http, handles)
         choices = [answers.choice(i, g) for i, g in enumerate(got)]
         use = schemas.usage(
@@ -119,11 +133,18 @@ def add_openai_routes(app: FastAPI, svc: Service, default_max_tokens: int) -> No
         return JSONResponse(response, headers=headers)
 
 
-def _chat_prompt(svc: Service, body: schemas.ChatCompletionRequest, functions: list[Function]) -> list[int]:
-    """Prompt ids of the request's messages, tool calls and tools."""
-    messages: list[tuple[str, str]] = []
+def _chat_prompt(
+    svc: Service,
+    body: schemas.ChatCompletionRequest,
+    functions: list[Function],
+    prepared: list[PreparedImage],
+) -> tuple[list[int], tuple[PromptImage, ...]]:
+    """Prompt ids of the request's messages, tool calls and tools, and the prompt's images
+    (`prepared`: the request's images in order, decoded)."""
+    messages: list[tuple[str, Content]] = []
+    first_image = 0
     for i, m in enumerate(body.messages):
-        content = m.text
+        text = m.text
         if m.tool_calls:
             if m.role != "assistant":
                 raise ApiError(400, "only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
@@ -131,16 +152,23 @@ def _chat_prompt(svc: Service, body: schemas.ChatCompletionRequest, functions: l
                 calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
             except ValueError as e:
                 raise ApiError(400, str(e), f"messages[{i}].tool_calls", "invalid_value") from e
-            content = "\n".join([*([content] if content else []), *calls])
-        svc.encode(content, f"messages[{i}].content")
-        messages.append((m.role, content))
+            text = "\n".join([*([text] if text else []), *calls])
+        svc.encode(text, f"messages[{i}].content")
+        if m.image_count:  # a user message: text pieces and image slots
+            messages.append((m.role, message_content(m, svc.vision, prepared, first_image)))
+            first_image += m.image_count
+        else:
+            messages.append((m.role, text))
     template = svc.template
     try:
         if isinstance(template, JinjaChatTemplate) and "tools" in template.source and body.tools:
-            return template.render(messages, svc.tokenizer, tools=[t.model_dump() for t in body.tools])
-        return template.render(with_tools(messages, functions), svc.tokenizer)
+            tools = [t.model_dump() for t in body.tools]
+            ids, starts = template.render_with_images(messages, svc.tokenizer, tools=tools)
+        else:
+            ids, starts = template.render_with_images(with_tools(messages, functions), svc.tokenizer)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), e.param, "invalid_value") from e
+    return ids, place(prepared, starts)
 
 
 def _with_ids(
@@ -245,13 +273,24 @@ class _ChatAnswers:
         out = []
         for i, got in enumerate(texts):
             text = got if isinstance(got, str) else self.opening + got.text
-            report = {"index": i, **conformance(rf.type, rf.json_schema.schema_ if rf.json_schema else None, text)}
+            report = {
+                "index": i,
+                **conformance(rf.type, rf.json_schema.schema_ if rf.json_schema else None, text),
+            }
             if not report["valid"]:
-                log.warning("%s: choice %d does not match response_format %s: %s", self.rid, i, rf.type, report["error"])
+                log.warning(
+                    "%s: choice %d does not match response_format %s: %s",
+                    self.rid,
+                    i,
+                    rf.type,
+                    report["error"],
+                )
             out.append(report)
         return out
 
-    async def stream(self, http: HttpRequest, handles: list[RequestHandle], n_prompt: int) -> AsyncIterator[str]:
+    async def stream(
+        self, http: HttpRequest, handles: list[RequestHandle], n_prompt: int
+    ) -> AsyncIterator[str]:
         svc, body, name = self.svc, self.body, self.svc.model_name
         with_usage, want_lps = body.include_usage, body.logprobs_k is not None
         n = len(handles)

@@ -23,6 +23,10 @@ and ``spaces_between_special_tokens`` (true only), ``return_hidden_states`` (fal
 chat, ``separate_reasoning`` and ``stream_reasoning`` (no reasoning parser runs, so they change
 nothing), ``continue_final_message`` (false only) and ``chat_template_kwargs`` (empty only).
 
+A chat message's ``content`` may be a list of ``{"type": "text", "text": ...}`` and
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": ...}}``
+parts (images in user messages, for a model with a vision tower; :mod:`replaykv.server.image_parts`).
+
 Extensions beyond OpenAI (vLLM's names): ``top_k`` (0 or -1 = off), ``ignore_eos``,
 ``stop_token_ids`` (token ids that end the request, beside end-of-text) and ``return_token_ids`` (the response then carries ``prompt_token_ids`` and each choice, or each
 streamed chunk, its ``token_ids``). Each response's
@@ -191,7 +195,9 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of < self.n:
             raise PydanticCustomError("best_of", "best_of must be at least n")
         if self.best_of is not None and self.best_of > self.n and self.stream:
-            raise PydanticCustomError("best_of", "best_of > n cannot be streamed (the best are known at the end)")
+            raise PydanticCustomError(
+                "best_of", "best_of > n cannot be streamed (the best are known at the end)"
+            )
         if self.echo and self.logprobs is not None:
             raise PydanticCustomError(
                 "echo",
@@ -209,6 +215,60 @@ class CompletionRequest(_Sampling):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+
+
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+class ImageURL(_Body):
+    """OpenAI's ``image_url`` object. Only ``data:image/...;base64,`` URLs are served (the server
+    fetches nothing); ``detail`` is accepted and changes nothing (the model's resize plan is fixed)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+PART_TYPES = ("text", "image_url")
+
+
+def _check_parts(value: Any) -> Any:
+    """Name the first malformed content part in words (pydantic's union errors would only say
+    that none of the accepted shapes matched)."""
+    if not isinstance(value, list):
+        return value
+    for j, part in enumerate(value):
+        where = f"part {j}"
+        if not isinstance(part, dict):
+            raise ValueError(f'{where} must be an object {{"type": ..., ...}}')
+        kind = part.get("type")
+        if kind not in PART_TYPES:
+            shown = "no type" if kind is None else f"type {kind!r}"
+            raise ValueError(
+                f"{where} has {shown}; the part types served are {' and '.join(map(repr, PART_TYPES))}"
+            )
+        extra = sorted(set(part) - {"type", kind})
+        if extra:
+            raise ValueError(f"{where} ({kind}) has unknown fields {extra}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise ValueError(f'{where} is a text part without a string "text"')
+        if kind == "image_url":
+            image = part.get("image_url")
+            if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+                raise ValueError(
+                    f'{where} is an image part without "image_url": {{"url": "data:image/...;base64,..."}}'
+                )
+            extra = sorted(set(image) - {"url", "detail"})
+            if extra:
+                raise ValueError(f"{where}: image_url has unknown fields {extra}")
+            if image.get("detail") not in (None, *IMAGE_DETAILS):
+                raise ValueError(f"{where}: image_url.detail must be one of {list(IMAGE_DETAILS)} or null")
+    return value
 
 
 class FunctionDef(_Body):
@@ -270,18 +330,30 @@ class ResponseFormat(_Body):
 
 class ChatMessage(_Body):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value: Any) -> Any:
+        return _check_parts(value)
+
     @property
     def text(self) -> str:
+        """The content's text (image parts left out)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    @property
+    def image_count(self) -> int:
+        if not isinstance(self.content, list):
+            return 0
+        return sum(isinstance(part, ImagePart) for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -330,7 +402,9 @@ class ChatCompletionRequest(_Sampling):
         if choice == "required" and not names:
             raise PydanticCustomError("tool_choice", "tool_choice 'required' needs tools")
         if names and self.response_format is not None and self.response_format.type != "text":
-            raise PydanticCustomError("response_format", "response_format JSON modes cannot be combined with tools")
+            raise PydanticCustomError(
+                "response_format", "response_format JSON modes cannot be combined with tools"
+            )
         return self
 
     @property
@@ -381,7 +455,9 @@ def usage(
     accs: Sequence[Accounting | None],
     response_format: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` and the ``replaykv`` extension.
+    """OpenAI usage plus ``prompt_tokens_details`` (``cached_tokens``, and ``image_tokens``: the
+    prompt positions inside image spans, which ``prompt_tokens`` counts too) and the ``replaykv``
+    extension.
 
     `accs`: one accounting per generated choice. The prompt counts once (the first choice's
     engine count wins over the server's); with several choices ``replaykv`` is the first one's
@@ -395,7 +471,10 @@ def usage(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first is not None else 0},
+        "prompt_tokens_details": {
+            "cached_tokens": first.cached_tokens if first is not None else 0,
+            "image_tokens": first.image_tokens if first is not None else 0,
+        },
     }
     if first is not None:
         ext = accounting(first)

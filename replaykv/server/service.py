@@ -28,9 +28,11 @@ from replaykv.engine.api import (
     SamplingParams,
     TokenLogprob,
 )
+from replaykv.images import PromptImage
 from replaykv.server import schemas
 from replaykv.server.chat import ChatTemplate
 from replaykv.server.errors import CLIENT_GONE, ApiError
+from replaykv.server.image_parts import engine_vision
 from replaykv.server.metrics import ServerMetrics
 from replaykv.server.settings import ServerSettings
 from replaykv.server.tenants import DEFAULT_TENANT, tenant_salt
@@ -57,17 +59,22 @@ class Collected:
     @property
     def mean_logprob(self) -> float:
         """Mean log-probability of the tokens (what ``best_of`` ranks by); -inf with none."""
-        return sum(lp.logprob for lp in self.logprobs) / len(self.logprobs) if self.logprobs else float("-inf")
+        return (
+            sum(lp.logprob for lp in self.logprobs) / len(self.logprobs) if self.logprobs else float("-inf")
+        )
 
 
 class Service:
-    """Engine, tokenizer, chat template, served name and HTTP counters of one app."""
+    """Engine, tokenizer, chat template, served name, image path and limits, and HTTP counters
+    of one app."""
 
     def __init__(self, engine: EngineAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.tokenizer = load_tokenizer(settings.model_dir)
         self.template = ChatTemplate.load(settings.model_dir)
         self.model_name = settings.model_name or engine.model_name
+        self.vision = engine_vision(engine)
+        self.image_limits = settings.image_limits
 
     # ---- request building -------------------------------------------------------------------
 
@@ -130,8 +137,10 @@ class Service:
         stop_ids: tuple[int, ...] = (),
         stop_strings: tuple[str, ...] = (),
         logprobs: int | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> list[RequestHandle]:
-        """`count` engine requests for `ids` (choice i seeded ``seed + i``); all or none."""
+        """`count` engine requests for `ids` (choice i seeded ``seed + i``) with the prompt's
+        `images`; all or none."""
         tenant: str = http.scope.get("state", {}).get("tenant", DEFAULT_TENANT)
         salt = tenant_salt(tenant)
         handles: list[RequestHandle] = []
@@ -154,7 +163,13 @@ class Service:
                     frequency_penalty=body.frequency_penalty,
                     logit_bias=body.logit_bias_pairs,
                 )
-                request = Request(tuple(ids), sampling, salt=salt, request_id=f"{rid}-{i}" if count > 1 else rid)
+                request = Request(
+                    tuple(ids),
+                    sampling,
+                    salt=salt,
+                    request_id=f"{rid}-{i}" if count > 1 else rid,
+                    images=images,
+                )
                 handles.append(self.engine.submit(request))  # raises QueueFull / InvalidRequest
         except BaseException:
             for h in handles:

@@ -35,6 +35,7 @@ import yaml
 from replaykv.cache.redis_url import redacted_url
 from replaykv.cache.stores import STORE_FORMATS, capacity_bytes, parse_capacity
 from replaykv.cli_parser import ArgumentParser
+from replaykv.images import ImageLimits
 from replaykv.model.presets import all_presets
 from replaykv.replay import FAULTS, MISS_STRATEGIES, ReplayFlags
 from replaykv.server.tenants import parse_keys
@@ -169,6 +170,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", _to_str, None, "weights and caches dtype", choices=("float32", "bfloat16", "float16"), engine=True),
     Option("device", _to_str, None, "torch device, e.g. cpu or cuda", engine=True),
     Option("seed", _to_int, None, "seed of a preset's random weights and of sampling", engine=True),
+    Option("max_image_bytes", _to_int, 8 * 1024 * 1024, "largest image accepted, in encoded bytes (after base64 decoding); the request body limit applies too"),
+    Option("max_image_pixels", _to_int, 16 * 1024 * 1024, "largest image accepted, in pixels (width × height), checked before the pixels are decoded"),
+    Option("max_images_per_request", _to_int, 8, "most images one chat request may carry"),
     Option("inject_fault", _to_str, None, "a deliberately wrong replay, to test acceptance contracts (never in production)", choices=FAULTS, engine=True),
 )
 # fmt: on
@@ -200,6 +204,8 @@ class ServerSettings:
     ``default``. admin_key: the bearer key of ``/admin/*`` (None refuses them all).
     model_dir: where the tokenizer and ``chat_template.json`` come from (None: the built-ins).
     default_max_tokens: a chat request's max_tokens when it gives none (capped by the context).
+    max_image_bytes / max_image_pixels / max_images_per_request: what a chat request's images
+    may be (:attr:`image_limits`); larger ones are refused with a 400 naming the limit.
     server_args: every setting with secrets redacted, as ``/get_server_info`` shows them.
     """
 
@@ -210,13 +216,20 @@ class ServerSettings:
     model_name: str | None = None
     model_dir: str | None = None
     log_level: str = "info"
-    max_request_bytes: int = 8 * 1024 * 1024
+    max_request_bytes: int = 32 * 1024 * 1024  # room for an image at --max-image-bytes in base64
     default_max_tokens: int = 256
+    max_image_bytes: int = 8 * 1024 * 1024
+    max_image_pixels: int = 16 * 1024 * 1024
+    max_images_per_request: int = 8
     server_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be in [0, 65535], got {self.port} (--port / REPLAYKV_PORT)")
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)} ({flag})")
         if self.admin_key is not None and self.admin_key in self.api_keys:
             raise SettingsError("the admin key must differ from every API key (--admin-key / --api-key)")
         if self.admin_key == "":
@@ -225,6 +238,11 @@ class ServerSettings:
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys)
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """What one chat request's images may be (checked before and while decoding)."""
+        return ImageLimits(self.max_image_bytes, self.max_image_pixels, self.max_images_per_request)
 
 
 @dataclass(frozen=True)
@@ -262,6 +280,9 @@ class Settings:
             model_name=self.values["served_model_name"],
             model_dir=str(self.model_dir) if self.model_dir is not None else None,
             log_level=self.values["log_level"],
+            max_image_bytes=self.values["max_image_bytes"],
+            max_image_pixels=self.values["max_image_pixels"],
+            max_images_per_request=self.values["max_images_per_request"],
             server_args=self.redacted(),
         )
 
@@ -402,6 +423,9 @@ def load_settings(argv: Sequence[str] = (), environ: Mapping[str, str] | None = 
         "chunked_prefill_size",
         "replay_span",
         "context_length",
+        "max_image_bytes",
+        "max_image_pixels",
+        "max_images_per_request",
     ):
         if values[name] is not None and values[name] < 1:
             raise SettingsError(f"{sources[name]}: {name} must be >= 1, got {values[name]}")

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replaykv.server.chat import Content
+
 FINISH_TOOL_CALLS = "tool_calls"
 
 
@@ -64,12 +66,14 @@ def system_line(functions: Sequence[Function]) -> str:
     return f"Tools: {described} Call {'it' if len(functions) == 1 else 'one'} as {examples}."
 
 
-def with_tools(messages: list[tuple[str, str]], functions: Sequence[Function]) -> list[tuple[str, str]]:
+def with_tools(
+    messages: list[tuple[str, Content]], functions: Sequence[Function]
+) -> list[tuple[str, Content]]:
     """`messages` with the tools line put into the first system message (or a new one first)."""
     if not functions:
         return messages
     line = system_line(functions)
-    if messages and messages[0][0] == "system":
+    if messages and messages[0][0] == "system" and isinstance(messages[0][1], str):
         content = messages[0][1]
         return [("system", f"{line}\n{content}" if content else line), *messages[1:]]
     return [("system", line), *messages]
@@ -101,7 +105,9 @@ def forced_opening(choice: str | None, functions: Sequence[Function]) -> str:
     return f'{{"tool": "{choice}", ' if has_params else f'{{"tool": "{choice}"'
 
 
-def parse_calls(text: str, functions: Sequence[Function], parallel: bool = True) -> list[dict[str, Any]] | None:
+def parse_calls(
+    text: str, functions: Sequence[Function], parallel: bool = True
+) -> list[dict[str, Any]] | None:
     """The OpenAI ``tool_calls`` of an answer that consists of tool calls only, else None."""
     names = {f.name for f in functions}
     decoder = json.JSONDecoder()
