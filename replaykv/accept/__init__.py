@@ -9,6 +9,7 @@ against two OpenAI-compatible endpoints, and writes a report whose verdict is th
     targets.py   in-process / endpoint    run.py       the quality and load passes
     stats.py     bootstrap, McNemar, KL   criteria.py  metrics, tables, verdicts
     report.py    JSON, Markdown, HTML     harness.py   one run end to end;  cli.py  the command
+    pictures.py  generated images for the image-and-text suffix
 
 Uses the engine's public API only; the engine imports nothing from here.
 """

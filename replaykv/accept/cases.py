@@ -1,16 +1,28 @@
 """The matrix as concrete prompts: cells, and per cell the cases with their cut points.
 
 A :class:`Cell` is one combination of task, cut position, context length, uncached suffix and
-output length. A :class:`Case` is one prompt of a cell: the token ids a request sends, the cut H
-(the cached prefix [0, H) an earlier request leaves), the shifted cuts of the "shift" state, the
-answer and how to score it. Prompts come from the held-out generators of
+output length. A :class:`Case` is one prompt of a cell: the token ids a request sends (and its
+images), the cut H (the cached prefix [0, H) an earlier request leaves), the shifted cuts of the
+"shift" state, the answer and how to score it. Prompts come from the held-out generators of
 :mod:`replaykv.train.tasks` (filler from the held-out split of the corpus), seeded from the
 contract's seed and the cell, so a contract always runs the same prompts.
 
+The image suffix: the task's turn with its reference answer, then a user turn holding a
+generated picture (:mod:`replaykv.accept.pictures`) and its question::
+
+    task prompt ... <|assistant|> answer <|end|> <|user|> [image] × span question <|end|> <|assistant|>
+    [0, turn_end) first turn                      [turn_end, S) the image turn (uncached at cut "end")
+
+The span's positions carry the model's ``image_token_id`` and the request carries the prepared
+image (:class:`~replaykv.images.PromptImage`). No trained model reads images, so image cases
+are not scored for task success (their outcome is None); the harness compares them with the
+baseline's cold path (KL, top-1 agreement, exact outputs) like every other case. A cut or a
+shifted cut never falls inside an image span (an earlier request cannot have ended there).
+
 Cut positions (W = the model's sliding window, S = the prompt length, e = evidence end):
     end            S minus the suffix (short: the question turn; empty: the last token only,
-                   which is always computed; long: a tool-result-sized tail); for multi_turn,
-                   the end of the first turn
+                   which is always computed; long: a tool-result-sized tail); for multi_turn
+                   and the image suffix, the end of the first turn
     start          64 (the replay span reaches the beginning of the prompt)
     window_before  W - 1;  window_after  W + 1 (either side of the span's clamp at 0)
     boundary       e + W: the evidence ends exactly where the bounded-replay span begins
@@ -27,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from replaykv.accept.contract import Contract, Matrix
+from replaykv.accept.contract import Contract, ContractError, Matrix
+from replaykv.accept.pictures import Picture, draw_picture
+from replaykv.images import PromptImage, prepare_image
 from replaykv.train.evaluate import eval_controls
 from replaykv.train.tasks import TASKS, TOKENIZER, Filler, TaskSample, generate, one_insert_prompt, score
 
@@ -86,8 +100,26 @@ class Cell:
         return f"{self.task}/{self.cut}/{self.length}/{self.suffix}/{self.output}"
 
     @property
-    def applicable(self) -> bool:
+    def scored(self) -> bool:
+        """Whether task success is measured (image cells: agreement with the baseline only)."""
         return self.suffix != "image"
+
+
+@dataclass(frozen=True)
+class ImageSetup:
+    """What the image suffix needs from the model: its image path's settings and the token id
+    every span position carries."""
+
+    vision: Any  # replaykv.model.vision.DeepseekV41VisionConfig
+    image_token_id: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ImageSetup | None:
+        """The setup of a model config; None when the model has no vision tower."""
+        vision = getattr(config, "vision_config", None)
+        if vision is None:
+            return None
+        return cls(vision, int(config.image_token_id))
 
 
 @dataclass(frozen=True)
@@ -101,6 +133,8 @@ class Case:
     max_tokens: int
     ignore_eos: bool
     evidence: tuple[int, int]
+    images: tuple[PromptImage, ...] = ()
+    picture: Picture | None = None  # the image suffix's picture (question and expected answer)
 
     @property
     def id(self) -> str:
@@ -111,9 +145,13 @@ class Case:
         """Tokens from the end of the evidence to the cut (negative: the cut is before it)."""
         return self.cut - self.evidence[1]
 
+    def images_before(self, cut: int) -> tuple[PromptImage, ...]:
+        """The images of the prefix [0, cut) (a cut never splits a span)."""
+        return tuple(im for im in self.images if im.end <= cut)
+
 
 def cells(matrix: Matrix) -> list[Cell]:
-    """Every cell of the matrix, in a fixed order (image cells included, marked not applicable)."""
+    """Every cell of the matrix, in a fixed order."""
     dims: tuple[tuple[Any, ...], ...] = (matrix.cuts, matrix.lengths, matrix.suffixes, matrix.outputs)
     out: list[Cell] = []
     for task in matrix.tasks:
@@ -149,45 +187,83 @@ def _cut(cell: Cell, m: Matrix, s_len: int, evidence_end: int, turn_end: int | N
     return int(min(max(h, 1), s_len))
 
 
-def _shifts(cut: int, s_len: int, m: Matrix, chunk: int) -> tuple[tuple[str, int], ...]:
+def _inside(h: int, spans: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """The span (start, end) that a cut at h would split, if any."""
+    return next(((a, b) for a, b in spans if a < h < b), None)
+
+
+def _shifts(
+    cut: int, s_len: int, m: Matrix, chunk: int, spans: tuple[tuple[int, int], ...] = ()
+) -> tuple[tuple[str, int], ...]:
     out: dict[int, str] = {}
     for d in m.shifts:
         h = cut + d
-        if 1 <= h <= s_len and h != cut:
+        if 1 <= h <= s_len and h != cut and _inside(h, spans) is None:
             out.setdefault(h, f"{d:+d}")
     if m.chunk_shifts:
         up = (cut // chunk + 1) * chunk + 1
         down = (cut // chunk) * chunk - 1
         for h, label in ((up, "chunk+1"), (down, "chunk-1")):
-            if 1 <= h <= s_len and h != cut:
+            if 1 <= h <= s_len and h != cut and _inside(h, spans) is None:
                 out.setdefault(h, label)
     return tuple((label, h) for h, label in sorted(out.items()))
 
 
-def build_cases(contract: Contract, filler: Filler, window: int) -> list[Case]:
-    """The cases of every applicable cell (prompts that cannot be built at a length are skipped
-    with the generator's own rule; the report counts cases per cell)."""
+def build_cases(
+    contract: Contract, filler: Filler, window: int, images: ImageSetup | None = None
+) -> list[Case]:
+    """The cases of every cell (prompts that cannot be built at a length are skipped with the
+    generator's own rule; the report counts cases per cell). `images`: the model's image setup,
+    required when the matrix has the image suffix."""
     m = contract.matrix
+    if "image" in m.suffixes and images is None:
+        raise ContractError(
+            "matrix.suffixes has 'image' but the model has no vision tower (its config has no "
+            "vision_config); run image cases on a vision model or remove 'image' from matrix.suffixes"
+        )
     out: list[Case] = []
     for ci, cell in enumerate(cells(m)):
-        if not cell.applicable:
-            continue
         for i in range(m.prompts_per_cell):
-            case = _build_case(contract, cell, ci, i, filler, window)
+            case = _build_case(contract, cell, ci, i, filler, window, images)
             if case is not None:
                 out.append(case)
     return out
 
 
-def _build_case(contract: Contract, cell: Cell, ci: int, i: int, filler: Filler, window: int) -> Case | None:
+def image_turn(picture: Picture, setup: ImageSetup) -> tuple[list[int], PromptImage]:
+    """``<|user|> [image] × span question <|end|> <|assistant|>`` and the image placed at offset
+    1 of it (the caller moves it to where the turn starts)."""
+    prepared = prepare_image(picture.pixels, setup.vision)
+    ids = [
+        TOKENIZER.special_ids["<|user|>"],
+        *([setup.image_token_id] * prepared.span_length),
+        *picture.question.encode(),
+        END_ID,
+        TOKENIZER.special_ids["<|assistant|>"],
+    ]
+    return ids, PromptImage(1, prepared)
+
+
+def _build_case(contract: Contract, cell: Cell, ci: int, i: int, filler: Filler, window: int,
+                setup: ImageSetup | None = None) -> Case | None:  # fmt: skip
     m = contract.matrix
     multi = cell.output == "multi_turn"
+    picture: Picture | None = None
+    turn: list[int] = []
+    placed: PromptImage | None = None
+    if cell.suffix == "image":
+        if setup is None:
+            raise ContractError("the image suffix needs a model with a vision tower")
+        picture = draw_picture(np.random.default_rng([contract.sampling.seed, ci, i, 1 << 20]))
+        turn, placed = image_turn(picture, setup)
     controls: dict[str, Any] = dict(eval_controls(cell.task, window))
     length = cell.length
     for attempt in range(8):
         rng = np.random.default_rng([contract.sampling.seed, ci, i, attempt])
         n = length
-        if multi:
+        if picture is not None:
+            n -= len(turn) + m.max_answer_tokens  # room for the answer and the image turn
+        elif multi:
             n -= len(FOLLOW_UP) + m.max_answer_tokens  # room for the answer and the follow-up
         if cell.cut == "boundary" and cell.task in ("passkey", "multihop", "chain", "extract", "code_edit"):
             # put the evidence so that the cut e + W lands before the question
@@ -201,26 +277,39 @@ def _build_case(contract: Contract, cell: Cell, ci: int, i: int, filler: Filler,
             continue
         prompt = list(sample.prompt)
         turn_end = None
-        if multi:
+        images: tuple[PromptImage, ...] = ()
+        if placed is not None:
+            prompt += list(sample.answer)
+            turn_end = len(prompt)
+            images = (PromptImage(turn_end + placed.start, placed.image),)
+            prompt += turn
+        elif multi:
             prompt += list(sample.answer)
             turn_end = len(prompt)
             prompt += FOLLOW_UP
         s_len = len(prompt)
+        spans = tuple((im.start, im.end) for im in images)
         cut = _cut(cell, m, s_len, sample.evidence[1], turn_end, window)
+        split = _inside(cut, spans)
+        if split is not None:
+            cut = split[0]  # an earlier request ends before the image, not inside it
         if cell.output == "long":
             max_tokens, ignore_eos = m.long_tokens, True
         else:
-            max_tokens, ignore_eos = min(m.max_answer_tokens, len(sample.answer) + 2), False
+            expected = len(picture.answer) + 1 if picture is not None else len(sample.answer)
+            max_tokens, ignore_eos = min(m.max_answer_tokens, expected + 2), False
         return Case(
             cell=cell,
             index=i,
             prompt=tuple(prompt),
             cut=cut,
-            shifts=_shifts(cut, s_len, m, contract.chunk_size),
+            shifts=_shifts(cut, s_len, m, contract.chunk_size, spans),
             sample=sample,
             max_tokens=max_tokens,
             ignore_eos=ignore_eos,
             evidence=sample.evidence,
+            images=images,
+            picture=picture,
         )
     return None
 
@@ -233,7 +322,10 @@ def answer_text(ids: list[int]) -> str:
 
 def outcome(case: Case, ids: list[int]) -> dict[str, Any]:
     """Task success, and for structured extraction whether the output is a valid JSON object
-    with the expected fields (None for other tasks); tool correctness is success on tool."""
+    with the expected fields (None for other tasks); tool correctness is success on tool.
+    Image cases are not scored (both None): only their agreement with the baseline counts."""
+    if not case.cell.scored:
+        return {"success": None, "valid": None}
     text = answer_text(ids)
     out: dict[str, Any] = {"success": bool(score(case.sample, text))}
     if case.cell.task == "extract":

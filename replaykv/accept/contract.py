@@ -11,8 +11,8 @@ every report, so a threshold changed after a run shows up as a different digest.
                  output lengths (one factor at a time around the first value of each, or the
                  full product), prompts per cell, shifted cuts, concurrency levels, repeats
     sampling     temperature (0 = greedy, one run; > 0 needs repeats) and seed
-    criteria     named pass/fail rules over the metrics (:data:`METRICS`), each with its state
-                 and task filters, a threshold and the statistic compared to it
+    criteria     named pass/fail rules over the metrics (:data:`METRICS`), each with its state,
+                 task and suffix filters, a threshold and the statistic compared to it
 
 Not for: running anything (see :mod:`replaykv.accept.run`).
 """
@@ -50,8 +50,10 @@ evidence ends just before the bounded-replay span [H - W, H) (boundary)."""
 SUFFIXES = ("short", "empty", "long", "image")
 """The uncached suffix at cut "end": the last `short_suffix` tokens (a short dialogue turn: the
 question), none (the whole prompt was cached: a hit at S - 1, since the last token is always
-computed), the last `long_suffix` tokens (a long tool
-result plus the question), image-text (not applicable: the model reads no images)."""
+computed), the last `long_suffix` tokens (a long tool result plus the question), or an image and
+text: after the answered first turn, a user turn holding a generated picture and a short question
+about it. The image suffix needs a model with a vision tower (the harness refuses it before it
+starts otherwise) and is scored by agreement with the baseline, not by task success."""
 
 OUTPUTS = ("short", "long", "multi_turn")
 """short: the answer (stops at its end); long: `long_tokens` generated with end-of-text ignored;
@@ -91,6 +93,10 @@ state_reached     share of requests whose reported path is the one the state for
 """
 
 
+TASK_METRICS = ("success_drop", "new_failures", "validity_drop")
+"""The metrics of task outcomes, which image cases do not have (no trained model reads images)."""
+
+
 class ContractError(ValueError):
     """The contract file is not valid (the message names the field)."""
 
@@ -100,7 +106,7 @@ class Matrix:
     tasks: tuple[str, ...] = ("passkey", "multihop", "chain", "code_edit", "extract", "tool")
     cuts: tuple[str, ...] = ("end", "boundary", "window_before", "window_after", "start")
     lengths: tuple[int, ...] = (1024,)
-    suffixes: tuple[str, ...] = ("short", "empty", "long", "image")
+    suffixes: tuple[str, ...] = ("short", "empty", "long")
     outputs: tuple[str, ...] = ("short", "long", "multi_turn")
     design: str = "one_at_a_time"  # or "factorial"
     prompts_per_cell: int = 2
@@ -129,6 +135,7 @@ class Criterion:
     threshold: float
     states: tuple[str, ...] = ()  # empty: every state the metric applies to
     tasks: tuple[str, ...] = ()  # empty: every task
+    suffixes: tuple[str, ...] = ()  # empty: every uncached suffix (e.g. [image]: image cases only)
     statistic: str = ""  # point | upper95 | lower95 ("" = the metric's default)
 
     @property
@@ -272,6 +279,12 @@ def parse_contract(raw: Any) -> Contract:
             raise ContractError(f"criteria[{i}].metric: {crit.metric!r} is not one of {sorted(METRICS)}")
         _check_subset(crit.states, STATES, f"criteria[{i}].states")
         _check_subset(crit.tasks, TASKS, f"criteria[{i}].tasks")
+        _check_subset(crit.suffixes, SUFFIXES, f"criteria[{i}].suffixes")
+        if set(crit.suffixes) == {"image"} and crit.metric in TASK_METRICS:
+            raise ContractError(
+                f"criteria[{i}]: image cases are not scored for task success ({crit.metric}); judge them "
+                "by agreement with the baseline (kl_mean, kl_first, top1_agreement, exact_match)"
+            )
         if crit.statistic not in ("", "point", "upper95", "lower95"):
             raise ContractError(f"criteria[{i}].statistic must be point, upper95 or lower95")
         criteria.append(crit)

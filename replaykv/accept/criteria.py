@@ -3,7 +3,8 @@
 Pairs: each candidate request of the quality pass with the baseline's cold request of the same
 case and repeat (the cold path is the reference). Per pair:
 
-    success / valid      the outcomes of both (paired differences, McNemar)
+    success / valid      the outcomes of both (paired differences, McNemar); None when a case is
+                         not scored (image cases), which then count in no success metric
     compared tokens      the generated positions whose context is the same in both arms: up to
                          and including the first position where the tokens differ
     kl, kl_first, top1   over the compared tokens (:func:`replaykv.accept.stats.topk_kl`)
@@ -78,6 +79,7 @@ def _select(pairs: list[Pair], crit: Criterion) -> list[Pair]:
         for p in pairs
         if (not crit.states or p.cand.state in crit.states)
         and (not crit.tasks or p.cand.cell["task"] in crit.tasks)
+        and (not crit.suffixes or p.cand.cell["suffix"] in crit.suffixes)
     ]
 
 
@@ -87,6 +89,8 @@ def _latency_ratio(records: list[Record], crit: Criterion, attr: str) -> dict[st
     for r in records:
         if r.phase.startswith("load:") and r.obs.error is None:
             if crit.tasks and r.cell["task"] not in crit.tasks:
+                continue
+            if crit.suffixes and r.cell["suffix"] not in crit.suffixes:
                 continue
             levels[r.phase][r.arm].append(getattr(r.obs, attr))
     ratios = {}
@@ -158,6 +162,7 @@ def verdicts(contract: Contract, pairs: list[Pair], records: list[Record]) -> li
                 "metric": crit.metric,
                 "states": list(crit.states),
                 "tasks": list(crit.tasks),
+                "suffixes": list(crit.suffixes),
                 "statistic": crit.stat,
                 "direction": crit.direction,
                 "threshold": crit.threshold,
@@ -188,8 +193,8 @@ def cell_table(pairs: list[Pair]) -> list[dict[str, Any]]:
                 "cell": key,
                 "state": state,
                 "n": len(ps),
-                "success_baseline": sum(bool(p.base.outcome.get("success")) for p in ps) / len(ps),
-                "success_candidate": sum(bool(p.cand.outcome.get("success")) for p in ps) / len(ps),
+                "success_baseline": _rate([p.base.outcome.get("success", False) for p in ps]),
+                "success_candidate": _rate([p.cand.outcome.get("success", False) for p in ps]),
                 "kl": _mean([p.kl for p in ps]),
                 "top1": _mean([p.top1 for p in ps]),
                 "exact": sum(p.exact for p in ps) / len(ps),
@@ -201,6 +206,13 @@ def cell_table(pairs: list[Pair]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _rate(outcomes: list[Any]) -> float:
+    """Share of True among the scored outcomes (None: not scored, e.g. image cases; a missing
+    outcome counts as no success); NaN if none is scored."""
+    scored = [bool(v) for v in outcomes if v is not None]
+    return sum(scored) / len(scored) if scored else math.nan
 
 
 def _mean(values: list[float]) -> float:
@@ -229,7 +241,7 @@ def load_table(records: list[Record]) -> list[dict[str, Any]]:
                 "arm": arm,
                 "n": len(rs),
                 "errors": len(rs) - len(ok),
-                "success": sum(bool(r.outcome.get("success")) for r in ok) / len(ok) if ok else math.nan,
+                "success": _rate([r.outcome.get("success", False) for r in ok]),
                 "ttft_p50": percentile(ttft, 50),
                 "ttft_p95": percentile(ttft, 95),
                 "ttft_p99": percentile(ttft, 99),

@@ -6,6 +6,10 @@ has its own store directory and memory pool. Endpoint mode: two OpenAI-compatibl
 were started with the switches to compare (and replaykv's admin endpoints); the harness checks
 that the candidate takes the path its stage implies (criterion metric ``state_reached``).
 
+Image cases (suffix ``image``) need a model with a vision tower and run in process only (a
+token-id completion carries no images); a contract that asks for them otherwise is refused
+before any engine starts.
+
 Not for: argument parsing (see :mod:`replaykv.accept.cli`).
 """
 
@@ -23,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from replaykv.accept import report as report_mod
-from replaykv.accept.cases import build_cases, cells
-from replaykv.accept.contract import Contract, load_contract
+from replaykv.accept.cases import ImageSetup, build_cases
+from replaykv.accept.contract import Contract, ContractError, load_contract
 from replaykv.accept.criteria import cell_table, load_table, pair_up, verdicts
 from replaykv.accept.run import Runner, miss_path
 from replaykv.accept.targets import EndpointTarget, InProcessTarget, Target
@@ -76,6 +80,35 @@ def _environment() -> dict[str, Any]:
     }
 
 
+def _image_setup(contract: Contract, target: InProcess | Endpoints) -> ImageSetup | None:
+    """The model's image setup when the matrix has image cases; refuses them (ContractError)
+    on a model without a vision tower or in endpoint mode. Reads only the model's config."""
+    if "image" not in contract.matrix.suffixes:
+        return None
+    if isinstance(target, Endpoints):
+        raise ContractError(
+            "matrix.suffixes has 'image', but endpoint mode sends token-id completions, which carry "
+            "no images; run image cases in process (--model DIR or --preset with a vision tower)"
+        )
+    if target.model_dir is not None:
+        from replaykv.model.checkpoint import load_config
+
+        config: Any = load_config(target.model_dir)
+        name = target.model_dir
+    else:
+        from replaykv.model.presets import get_preset
+
+        config, name = get_preset(target.preset), f"preset {target.preset}"
+    setup = ImageSetup.from_config(config)
+    if setup is None:
+        raise ContractError(
+            f"matrix.suffixes has 'image', but the model ({name}) has no vision tower (its config has "
+            "no vision_config); use a vision model (e.g. --preset v41-tiny-vision) or remove 'image' "
+            "from matrix.suffixes"
+        )
+    return setup
+
+
 def _in_process(
     contract: Contract, where: InProcess, tmp: Path
 ) -> tuple[Target, Target, int, dict[str, str | None]]:
@@ -122,6 +155,7 @@ def run_contract(
     t0 = time.perf_counter()
     contract_path = Path(contract_path)
     contract = load_contract(contract_path)
+    images = _image_setup(contract, target)  # before any engine starts
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="replaykv-accept-") as tmp:
         if isinstance(target, InProcess):
@@ -133,7 +167,7 @@ def run_contract(
             expected = {"baseline": "exact", "candidate": miss_path(contract.candidate_switches[0])}
         try:
             heldout = load_corpus(splits=("heldout",))["heldout"]
-            cases = build_cases(contract, heldout, window)
+            cases = build_cases(contract, heldout, window, images)
             if not cases:
                 raise ValueError("the matrix produced no runnable case (lengths too short for the tasks?)")
             runner = Runner(contract, baseline, candidate, cases, expected, progress=progress)
@@ -145,8 +179,12 @@ def run_contract(
     pairs = pair_up(result.records)
     crit = verdicts(contract, pairs, result.records)
     failing = [v["name"] for v in crit if not v["passed"]]
-    na = [f"{c.key}: image-text suffixes are not applicable (the model reads no images)"
-          for c in cells(contract.matrix) if not c.applicable]  # fmt: skip
+    notes = []
+    if images is not None:
+        notes.append(
+            "image cases (suffix 'image') are scored by agreement with the baseline's cold path "
+            "(KL, top-1 agreement, exact outputs), not by task success: no trained model reads images"
+        )
     rep: dict[str, Any] = {
         "contract": contract.to_dict(),
         "contract_digest": contract.digest(),
@@ -162,7 +200,7 @@ def run_contract(
         "load": load_table(result.records),
         "concurrency_levels": result.concurrency,
         "resources": result.resources,
-        "not_applicable": na,
+        "notes": notes,
         "cases": len(cases),
         "seconds": time.perf_counter() - t0,
         "pairs": [

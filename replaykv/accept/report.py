@@ -58,9 +58,11 @@ def plots(pairs: list[Pair], records: list[Any], out: Path) -> list[str]:
 
     names = []
     miss = [p for p in pairs if p.cand.state in ("miss", "shift")]
-    if miss:
+    # task success only where it is scored (image cases are not)
+    scored = [p for p in miss if p.cand.outcome.get("success", False) is not None]
+    if scored:
         bins: dict[int, list[Pair]] = defaultdict(list)
-        for p in miss:
+        for p in scored:
             bins[int(p.cand.offset // 64) * 64].append(p)
         xs = sorted(bins)
         fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -75,6 +77,8 @@ def plots(pairs: list[Pair], records: list[Any], out: Path) -> list[str]:
         fig.tight_layout()
         fig.savefig(out / "accuracy_vs_offset.png", dpi=110)
         plt.close(fig)
+        names.append("accuracy_vs_offset.png")
+    if miss:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         pts = [(p.cand.offset, p.kl) for p in miss if not math.isnan(p.kl)]
         if pts:
@@ -85,7 +89,7 @@ def plots(pairs: list[Pair], records: list[Any], out: Path) -> list[str]:
         fig.tight_layout()
         fig.savefig(out / "kl_vs_offset.png", dpi=110)
         plt.close(fig)
-        names += ["accuracy_vs_offset.png", "kl_vs_offset.png"]
+        names.append("kl_vs_offset.png")
     load: dict[str, list[float]] = defaultdict(list)
     for r in records:
         if r.phase.startswith("load:") and r.obs.error is None:
@@ -132,6 +136,7 @@ def markdown(report: dict[str, Any], images: list[str]) -> str:
             "criterion": v["name"],
             "metric": v["metric"],
             "states": ",".join(v["states"]) or "all",
+            "suffixes": ",".join(v.get("suffixes", [])) or "all",
             "statistic": v["statistic"],
             "value": v["value"],
             "rule": f"{v['direction']} {v['threshold']:g}",
@@ -147,6 +152,7 @@ def markdown(report: dict[str, Any], images: list[str]) -> str:
         "criterion",
         "metric",
         "states",
+        "suffixes",
         "statistic",
         "value",
         "rule",
@@ -167,8 +173,8 @@ def markdown(report: dict[str, Any], images: list[str]) -> str:
     lines += ["", "## Per cell (candidate state against the baseline's cold path)", ""]
     if report["cells"]:
         lines += _table(report["cells"], list(report["cells"][0]))
-    if report["not_applicable"]:
-        lines += ["", "## Not applicable", ""] + [f"- {n}" for n in report["not_applicable"]]
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     if images:
         lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"

@@ -96,12 +96,14 @@ class Runner:
     def _send(self, t: Target, case: Case, prompt: tuple[int, ...], repeat: int) -> Observation:
         s = self.contract.sampling
         return t.generate(
-            prompt, case.max_tokens, case.ignore_eos, s.temperature, s.seed + repeat, s.logprobs
-        )
+            prompt, case.max_tokens, case.ignore_eos, s.temperature, s.seed + repeat, s.logprobs,
+            case.images_before(len(prompt)),
+        )  # fmt: skip
 
     def _prime(self, t: Target, case: Case, cut: int) -> None:
-        """An earlier request that leaves [0, cut) cached (global KV + snapshot)."""
-        obs = t.generate(case.prompt[:cut], 1, True, 0.0, 0, 0)
+        """An earlier request that leaves [0, cut) cached (global KV + snapshot), with the images
+        of that prefix."""
+        obs = t.generate(case.prompt[:cut], 1, True, 0.0, 0, 0, case.images_before(cut))
         if obs.error:
             raise RuntimeError(f"{t.name}: priming {case.id} at {cut} failed: {obs.error}")
 
@@ -131,7 +133,9 @@ class Runner:
             repeat=repeat,
             expected_path=expected,
             obs=obs,
-            outcome=outcome(case, obs.ids) if obs.error is None else {"success": False, "valid": None},
+            outcome=outcome(case, obs.ids)
+            if obs.error is None
+            else {"success": False if case.cell.scored else None, "valid": None},
             shift=shift,
             prompt_tokens=len(case.prompt),
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replaykv.accept.cases import STOP_IDS
+from replaykv.images import PromptImage
 
 
 class TargetError(RuntimeError):
@@ -47,7 +48,7 @@ class Observation:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. image_tokens, images_encoded
 
 
 class Target(abc.ABC):
@@ -57,8 +58,9 @@ class Target(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool, temperature: float,
-                 seed: int, logprobs: int) -> Observation:  # fmt: skip
-        """Greedy (temperature 0) or seeded sampling of one completion of token ids `prompt`."""
+                 seed: int, logprobs: int, images: tuple[PromptImage, ...] = ()) -> Observation:  # fmt: skip
+        """Greedy (temperature 0) or seeded sampling of one completion of token ids `prompt`
+        whose image spans are `images`."""
 
     @abc.abstractmethod
     def flush_all(self) -> None:
@@ -96,7 +98,7 @@ class InProcessTarget(Target):
         self.engine = Engine(config)
 
     def generate(self, prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool, temperature: float,
-                 seed: int, logprobs: int) -> Observation:  # fmt: skip
+                 seed: int, logprobs: int, images: tuple[PromptImage, ...] = ()) -> Observation:  # fmt: skip
         from replaykv.engine.api import EngineError, Request, SamplingParams
 
         sampling = SamplingParams(
@@ -108,7 +110,7 @@ class InProcessTarget(Target):
             logprobs=logprobs,
         )
         try:
-            res = self.engine.generate(Request(prompt, sampling))
+            res = self.engine.generate(Request(prompt, sampling, images=images))
         except EngineError as e:
             return Observation([], [], [], error=str(e))
         name = self.engine.tokenizer.token_text
@@ -128,6 +130,8 @@ class InProcessTarget(Target):
             )
             obs.prefill_work, obs.full_prefill_work = acc.prefill_work, acc.full_prefill_work
             obs.snapshot_hit = acc.snapshot_hit
+            if images:
+                obs.extra = {"image_tokens": acc.image_tokens, "images_encoded": acc.images_encoded}
         return obs
 
     def flush_all(self) -> None:
@@ -197,7 +201,11 @@ class EndpointTarget(Target):
             raise TargetError(f"{self.name}: {path} answered {e.code}: {e.read()[:200]!r}") from e
 
     def generate(self, prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool, temperature: float,
-                 seed: int, logprobs: int) -> Observation:  # fmt: skip
+                 seed: int, logprobs: int, images: tuple[PromptImage, ...] = ()) -> Observation:  # fmt: skip
+        if images:
+            raise TargetError(
+                f"{self.name}: a token-id completion carries no images; run image cases in process"
+            )
         extra: dict[str, Any] = {"return_token_ids": True, "ignore_eos": ignore_eos}
         if not ignore_eos:
             extra["stop_token_ids"] = list(STOP_IDS)

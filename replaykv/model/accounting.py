@@ -10,6 +10,10 @@ Three ledgers (architecture §5, the second source document's "three books"):
 * **persistent**: what a prefix cache keeps per token. The V4 policy persists the global KV and
   `snapshots_per_turn` window snapshots per turn; the V4.1 policy persists the global KV only.
 
+Images (V4.1): an image is a span of ordinary prompt positions (:func:`replaykv.images.image_span_length`),
+so it costs what that many tokens cost in each ledger; :func:`image_ledger` adds what only images
+have: the feature cache's span vectors and the vision tower's patches.
+
 Every byte size comes from the layouts in :mod:`replaykv.model.quant` at the config's dims, or
 from :data:`V4_PACKED_ENTRY` (DeepSeek-V4's window and compressed entry, defined here by formula)
 for V4 configs. Work is counted in layer × token rows: one layer processing one token.
@@ -24,16 +28,19 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import ClassVar
 
+from replaykv.images import image_span_length, plan_resize
 from replaykv.model.config import CSA, HCA, DeepseekV4Config
 from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.quant import FP4_COMPRESSED_ENTRY, FP8_WINDOW_ENTRY, MXFP4_INDEX_KEY
 from replaykv.model.spec import ModelSpec
+from replaykv.model.vision import DeepseekV41VisionConfig
 
 AnyConfig = DeepseekV4Config | DeepseekV41Config
 
 V4_FAMILY = "deepseek_v4"
 V41_FAMILY = "deepseek_v41"
 FP32_BYTES = 4
+BF16_BYTES = 2
 
 # Where decoder replay starts counting a layer as "tail only" (architecture §4, §9.2):
 # ENGINE: layers after the decoder cut (vLLM, SGLang and replaykv run layers 0..cut on every row);
@@ -352,6 +359,137 @@ class KVLedger:
 def kv_ledger(config: AnyConfig) -> KVLedger:
     """:meth:`KVLedger.from_config`."""
     return KVLedger.from_config(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Images (V4.1)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageLedger:
+    """What one image costs under a config, ledger by ledger.
+
+    An image's span is `positions` ordinary prompt positions, so:
+
+    * **global KV** (ledger 1, device): positions × :meth:`KVLedger.global_bytes_per_token`, the
+      long-run figure; where the span starts moves the exact count of complete groups by less
+      than one group per source (:meth:`KVLedger.global_bytes` of the prefixes gives it exactly);
+    * **window state** (ledger 2, the SWA KV): a request's window state has a fixed size (layers ×
+      W entries), so an image does not grow it; the image's positions *occupy* it only where they
+      fall in the last W positions of a prefix: at most min(positions, W) entries per layer, i.e.
+      `window_bytes` = min(positions, W) × window entry × layers (the part of a snapshot taken
+      right after the image that holds image positions);
+    * **persistent** (ledger 3): the V4.1 policy persists global KV only, so the same bytes as
+      ledger 1 (a V4-policy snapshot per turn does not grow with the image either);
+    * **feature cache** (in memory, short-lived): the span vectors the tower produced,
+      positions × text hidden × `feature_dtype_bytes` (2 for bf16);
+    * **tower work**: the tower runs its layers on every patch of the canvas,
+      patches = (canvas_h / patch) · (canvas_w / patch); `patch_rows` = patches × tower layers
+      (layer × patch rows, like the text model's layer × token rows). The prompt rows the span
+      adds to the text model are counted by :meth:`KVLedger.prefill_work` as for any tokens.
+
+    From a grid alone the canvas is the largest one of that grid (whole patch × downsample
+    cells); from a position count alone (`grid` None) the tower's figures are unknown (None).
+    """
+
+    positions: int
+    grid: tuple[int, int] | None  # (rows, columns) of LLM tokens
+    canvas: tuple[int, int] | None  # (height, width) in pixels, whole patches
+    patches: int | None
+    tower_layers: int
+    global_kv_bytes: Fraction
+    window_bytes: int
+    persistent_bytes: Fraction
+    feature_bytes: int
+    window: int
+
+    @property
+    def patch_rows(self) -> int | None:
+        """Layer × patch rows of one tower pass (None without a grid)."""
+        return None if self.patches is None else self.patches * self.tower_layers
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly figures (byte counts as floats where they are fractions)."""
+        return {
+            "positions": self.positions,
+            "grid": list(self.grid) if self.grid else None,
+            "canvas": list(self.canvas) if self.canvas else None,
+            "patches": self.patches,
+            "patch_rows": self.patch_rows,
+            "global_kv_bytes": float(self.global_kv_bytes),
+            "window_bytes": self.window_bytes,
+            "persistent_bytes": float(self.persistent_bytes),
+            "feature_bytes": self.feature_bytes,
+            "window": self.window,
+        }
+
+
+def released_vision() -> DeepseekV41VisionConfig:
+    """The released DeepSeek-V4.1 image path's settings (:class:`DeepseekV41VisionConfig`'s
+    defaults), for accounting a config that has no ``vision_config`` (the text backbone)."""
+    return DeepseekV41VisionConfig()
+
+
+def image_ledger(
+    config: AnyConfig,
+    *,
+    size: tuple[int, int] | None = None,
+    grid: tuple[int, int] | None = None,
+    positions: int | None = None,
+    vision: DeepseekV41VisionConfig | None = None,
+    feature_dtype_bytes: int = BF16_BYTES,
+) -> ImageLedger:
+    """:class:`ImageLedger` of one image given by exactly one of: `size` (width, height) in
+    pixels (the resize plan of :func:`replaykv.images.plan_resize` picks the canvas and grid),
+    `grid` (LLM-token rows, columns) or `positions` (the span length).
+
+    `vision`: the image path's settings; None takes the config's ``vision_config``. A V4.1
+    config without one (a text backbone such as the ``v41-flash`` preset) needs it passed,
+    e.g. :func:`released_vision`. DeepSeek-V4 has no image path.
+    """
+    if not isinstance(config, DeepseekV41Config):
+        raise ValueError(f"images need a DeepSeek-V4.1 config; {type(config).__name__} reads text only")
+    given = [name for name, v in (("size", size), ("grid", grid), ("positions", positions)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of size, grid or positions for an image; got {given or 'none'}")
+    vision = vision or config.vision_config
+    if vision is None:
+        raise ValueError(
+            "the config has no vision_config; pass vision=released_vision() to account with the "
+            "released image path's settings"
+        )
+    if feature_dtype_bytes <= 0:
+        raise ValueError(f"feature_dtype_bytes must be positive, got {feature_dtype_bytes}")
+    canvas: tuple[int, int] | None = None
+    if size is not None:
+        gh, gw, ch, cw = plan_resize(size[0], size[1], vision)
+        grid, canvas = (gh, gw), (ch, cw)
+    elif grid is not None:
+        if min(grid) < 1:
+            raise ValueError(f"an image grid needs at least one row and one column, got {grid}")
+        cell = vision.patch_size * vision.downsample_ratio
+        canvas = (grid[0] * cell, grid[1] * cell)
+    if grid is not None:
+        positions = image_span_length(*grid)
+    assert positions is not None
+    if positions < 3:
+        raise ValueError(f"an image span has at least 3 positions (start, one row, end); got {positions}")
+    ledger = KVLedger.from_config(config)
+    patches = None if canvas is None else (canvas[0] // vision.patch_size) * (canvas[1] // vision.patch_size)
+    global_kv = positions * ledger.global_bytes_per_token()
+    return ImageLedger(
+        positions=positions,
+        grid=grid,
+        canvas=canvas,
+        patches=patches,
+        tower_layers=vision.num_hidden_layers,
+        global_kv_bytes=global_kv,
+        window_bytes=min(positions, ledger.window) * ledger.window_entry_bytes * ledger.num_layers,
+        persistent_bytes=global_kv,
+        feature_bytes=positions * config.hidden_size * feature_dtype_bytes,
+        window=ledger.window,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`replaykv plan`: the capacity planner's command line.
 
     python -m replaykv.plan.cli --model v41-flash --workload agent.yaml --plots out/ [--json]
+    python -m replaykv.plan.cli --model v41-flash --images-per-turn 0.5 --image-size 1024x768
 
 The model is a preset or a config.json; the workload comes from defaults, then the file, then
 the flags (each flag overrides the file). Output: a table, or JSON with ``--json``; PNG plots
@@ -41,6 +42,15 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "snapshots_per_turn": ("--snapshots-per-turn", "window snapshots written per turn (default 2)"),
     "target_hit_rate": ("--target-hit-rate", "pool hit rate to size the TTL for"),
     "replay_window": ("--replay-window", "replay span W (default: the model's sliding_window)"),
+    "images_per_turn": (
+        "--images-per-turn",
+        "images in every user turn, the first included (a mean; default 0)",
+    ),
+    "image_size": (
+        "--image-size",
+        "pixel size of each image, WIDTHxHEIGHT (e.g. 1024x768); shows what one costs",
+    ),
+    "image_tokens": ("--image-tokens", "span length of each image in positions (instead of --image-size)"),
 }
 _MM_FLAGS = {
     "raw_bytes_per_token": ("--mm-raw-bytes", "multimodal: raw bytes per token (rho)"),
@@ -76,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _workload(args: argparse.Namespace) -> Workload:
     base = load_workload(args.workload) if args.workload else Workload()
     flags: dict[str, Any] = {d: getattr(args, d) for d in _FLAGS if getattr(args, d) is not None}
+    # An image given one way on the command line replaces the file's other way.
+    if "image_size" in flags and "image_tokens" not in flags:
+        flags["image_tokens"] = None
+    if "image_tokens" in flags and "image_size" not in flags:
+        flags["image_size"] = None
     for dest in ("decoder_replay", "convention"):
         if getattr(args, dest) is not None:
             flags[dest] = getattr(args, dest)

@@ -21,6 +21,14 @@ computed from the config (through :class:`~replaykv.model.accounting.KVLedger`) 
 4. **Device memory.** Global KV (+ the window state) of N concurrent contexts of length L.
 5. **Multimodal loading condition** ρ < (B_IO / B_GPU) · C, with its verdict and margin.
 
+Images (V4.1): an image is a span of ordinary positions, so a workload's images
+(`images_per_turn` × the span of one image, :func:`~replaykv.model.accounting.image_ledger`) are
+added to every turn's input tokens (first turn included) and reach every ledger, the storage,
+the pool's turn lengths, the compute and the device figures through them; section 1c shows what
+one image costs in each ledger, the feature cache and the tower, and the images' share of a
+session. A config without a ``vision_config`` (the ``v41-flash`` text backbone) is accounted
+with the released image path's settings.
+
 Not for: the plots (:mod:`replaykv.plan.plots`) or the command line (:mod:`replaykv.plan.cli`).
 """
 
@@ -33,10 +41,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replaykv.model.accounting import AnyConfig, KVLedger, parameter_count
+from replaykv.model.accounting import (
+    AnyConfig,
+    ImageLedger,
+    KVLedger,
+    image_ledger,
+    parameter_count,
+    released_vision,
+)
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.config_v41 import COMPOSITE_MODEL_TYPE, FLAT_MODEL_TYPE, DeepseekV41Config
-from replaykv.plan.workload import Distribution, Workload
+from replaykv.plan.workload import Distribution, Workload, shifted
 
 MIB = 2**20
 GIB = 2**30
@@ -113,6 +128,26 @@ class Storage:
     v41_policy_fits: bool
     v4_policy_max_retention_s: float
     v41_policy_max_retention_s: float
+
+
+@dataclass(frozen=True)
+class Images:
+    """(1c) What the workload's images cost: one image per ledger, and their share of a session."""
+
+    vision: str  # where the image path's settings came from
+    size: list[int] | None  # (width, height) asked for; None when given by span length
+    per_image: dict[str, Any]  # ImageLedger.as_dict()
+    images_per_turn: float
+    positions_per_turn: float  # added to every turn's input tokens
+    images_per_session: float
+    positions_per_session: float
+    share_of_session_tokens: float
+    global_bytes_per_session: float  # of the image positions (= their persistent bytes, V4.1 policy)
+    storage_bytes: float  # over the retention period (part of both policies' storage)
+    feature_bytes_per_session: float  # span vectors, if every image of a session is distinct
+    images_per_hour: float  # whole fleet
+    # every image encoded once (a repeated one hits the feature cache); None without a grid
+    tower_patch_rows_per_hour: float | None
 
 
 @dataclass(frozen=True)
@@ -204,6 +239,7 @@ class Plan:
     workload: dict[str, Any]
     ledgers: Ledgers
     storage: Storage
+    images: Images | None
     pool: Pool
     compute: Compute
     device: Device
@@ -264,6 +300,20 @@ def hit_rate(workload: Workload, ttl: float, capacity_entries: float, entries_pe
     return workload.think_time.cdf(min(ttl, t_c))
 
 
+def workload_image(config: AnyConfig, workload: Workload) -> tuple[ImageLedger, str] | None:
+    """One of the workload's images under `config` and where the image path's settings came
+    from; None when the workload names no image size."""
+    w = workload
+    if w.image_size is None and w.image_tokens is None:
+        return None
+    vision = getattr(config, "vision_config", None)
+    source = "the config's vision_config"
+    if vision is None and isinstance(config, DeepseekV41Config):
+        vision, source = released_vision(), "released defaults (the config has no vision_config)"
+    image = image_ledger(config, size=w.image_size, positions=w.image_tokens, vision=vision)
+    return image, source
+
+
 def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None) -> Plan:
     """All planner figures for `config` under `workload`."""
     w = workload
@@ -274,7 +324,13 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
     g = ledger.global_bytes_per_token()
     g_f = float(g)
 
-    t_first, t_in, t_out = w.first_turn.mean(), w.turn_tokens.mean(), w.output_tokens.mean()
+    # Images are input positions of every turn (the first included).
+    image = workload_image(config, w)
+    image_positions = w.images_per_turn * image[0].positions if image is not None else 0.0
+    first_turn = shifted(w.first_turn, image_positions)
+    turn_in = shifted(w.turn_tokens, image_positions)
+
+    t_first, t_in, t_out = first_turn.mean(), turn_in.mean(), w.output_tokens.mean()
     session_tokens = t_first + (n - 1) * t_in + n * t_out
     turn_tokens = t_in + t_out
     window_state = ledger.window_state_bytes()
@@ -293,7 +349,7 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
         persistent_bytes_per_token_v41_policy=g_f,
         snapshots_per_turn=k,
         break_even_turn_tokens=break_even,
-        share_of_turns_below_break_even=_prob_sum_below(w.turn_tokens, w.output_tokens, break_even),
+        share_of_turns_below_break_even=_prob_sum_below(turn_in, w.output_tokens, break_even),
         decode_context_tokens=round(session_tokens),
         decode_read_bytes=ledger.decode_read_bytes(round(session_tokens)),
         decode_index_scan_bytes=ledger.decode_index_scan_bytes(round(session_tokens)),
@@ -316,6 +372,29 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
         v4_policy_max_retention_s=ssd / (sessions_per_s * v4_session),
         v41_policy_max_retention_s=ssd / (sessions_per_s * v41_session) if v41_session else math.inf,
     )
+
+    images = None
+    if image is not None:
+        im, source = image
+        per_session = n * w.images_per_turn
+        patch_rows = im.patch_rows
+        images = Images(
+            vision=source,
+            size=list(w.image_size) if w.image_size is not None else None,
+            per_image=im.as_dict(),
+            images_per_turn=w.images_per_turn,
+            positions_per_turn=image_positions,
+            images_per_session=per_session,
+            positions_per_session=n * image_positions,
+            share_of_session_tokens=n * image_positions / session_tokens,
+            global_bytes_per_session=g_f * n * image_positions,
+            storage_bytes=sessions_retained * g_f * n * image_positions,
+            feature_bytes_per_session=per_session * im.feature_bytes,
+            images_per_hour=w.sessions_per_hour * per_session,
+            tower_patch_rows_per_hour=None
+            if patch_rows is None
+            else w.sessions_per_hour * per_session * patch_rows,
+        )
 
     entry = ledger.snapshot_bytes()
     pool_per_machine = w.host_ram * w.pool_fraction
@@ -354,7 +433,7 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
     exact = ledger.exact_replay_work(window=window, decoder_replay=w.decoder_replay, convention=w.convention)
     mean_cached = t_first + t_out + (n - 2) / 2 * turn_tokens if n > 1 else 0.0
     reprefill = full * mean_cached + (ledger.num_layers - full) * min(window, mean_cached)
-    turn_prefill = expected_prefill_work(ledger, w.turn_tokens, w, window)
+    turn_prefill = expected_prefill_work(ledger, turn_in, w, window)
     savings = []
     for p in SAVING_PROMPTS:
         off = ledger.prefill_work(p, window=window, decoder_replay=False)
@@ -362,7 +441,7 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
         savings.append({"prompt_tokens": p, "work_off": off, "work_on": on, "saving": 1 - on / off})
     follow_ups = w.sessions_per_hour * (n - 1)
     misses = follow_ups * (1 - pool.hit_rate)
-    prefill_hour = w.sessions_per_hour * expected_prefill_work(ledger, w.first_turn, w, window)
+    prefill_hour = w.sessions_per_hour * expected_prefill_work(ledger, first_turn, w, window)
     prefill_hour += follow_ups * turn_prefill
     compute = Compute(
         window=window,
@@ -428,6 +507,7 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
         workload=w.to_dict(),
         ledgers=ledgers,
         storage=storage,
+        images=images,
         pool=pool,
         compute=compute,
         device=device,
@@ -501,6 +581,8 @@ def _rows(plan: Plan) -> list[tuple[str, list[tuple[str, str]]]]:
              f"{fmt_time(S.v4_policy_max_retention_s)} / {fmt_time(S.v41_policy_max_retention_s)}"),
         ],
     ))  # fmt: skip
+    if plan.images is not None:
+        sections.append(_image_rows(plan.images, plan.num_layers))
     sections.append((
         "2. SWA pool",
         [
@@ -566,6 +648,37 @@ def _rows(plan: Plan) -> list[tuple[str, list[tuple[str, str]]]]:
             ],
         ))  # fmt: skip
     return sections
+
+
+def _image_rows(section: Images, layers: int) -> tuple[str, list[tuple[str, str]]]:
+    im = section.per_image
+    what = "given by its span length"
+    if section.size is not None:
+        (width, height), (canvas_h, canvas_w), (rows, cols) = section.size, im["canvas"], im["grid"]
+        what = f"{width}x{height} px -> canvas {canvas_w}x{canvas_h}, grid {rows}x{cols}"
+    rows = [
+        ("one image", what),
+        ("  positions (span)", f"{im['positions']:,}"),
+        ("  global KV (device)", fmt_bytes(im["global_kv_bytes"])),
+        (f"  window state it occupies (<= {im['window']} positions x {layers} layers)", fmt_bytes(im["window_bytes"])),
+        ("  persistent (V4.1 policy)", fmt_bytes(im["persistent_bytes"])),
+        ("  feature cache (span vectors, bf16)", fmt_bytes(im["feature_bytes"])),
+        ("  tower work", "unknown (no grid)" if im["patches"] is None
+         else f"{im['patches']:,} patches = {im['patch_rows']:,} layer x patch rows"),
+        ("image settings", section.vision),
+    ]  # fmt: skip
+    if section.images_per_turn > 0:
+        rows += [
+            ("images per turn / per session", f"{section.images_per_turn:g} / {section.images_per_session:,.1f}"),
+            ("image positions per session", f"{section.positions_per_session:,.0f} ({100 * section.share_of_session_tokens:.1f} % of the session)"),
+            ("global KV of a session's images", fmt_bytes(section.global_bytes_per_session)),
+            ("storage of images over the retention", fmt_bytes(section.storage_bytes)),
+            ("feature cache of a session's images", fmt_bytes(section.feature_bytes_per_session)),
+            ("images per hour, tower work", f"{section.images_per_hour:,.0f}" + (
+                "" if section.tower_patch_rows_per_hour is None
+                else f", {section.tower_patch_rows_per_hour:.3g} layer x patch rows (each encoded once)")),
+        ]  # fmt: skip
+    return "1c. Images (counted into every turn's input tokens)", rows
 
 
 def format_table(plan: Plan) -> str:

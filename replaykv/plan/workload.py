@@ -10,7 +10,12 @@ or JSON file (:func:`load_workload`) and from command-line style strings:
   ``empirical:10,60,300`` (equally likely values) — or a bare number (fixed); in YAML also a
   mapping ``{dist: lognormal, mean: 600, sigma: 1.0}``;
 * a size is a number of bytes with an optional unit: ``512GiB``, ``2TB``, ``1.5e12``;
-* a duration is seconds with an optional unit: ``300``, ``5m``, ``72h``, ``1d``.
+* a duration is seconds with an optional unit: ``300``, ``5m``, ``72h``, ``1d``;
+* an image size is ``WIDTHxHEIGHT`` in pixels (``1024x768``) or a pair ``[1024, 768]``.
+
+Images: `images_per_turn` images in every user turn (the first included), each given by its
+pixel size (the model's resize plan turns it into a span of positions) or directly by its
+span length `image_tokens`; the planner adds their positions to every turn's input tokens.
 
 Not for: the planning arithmetic (see :mod:`replaykv.plan.planner`).
 """
@@ -245,6 +250,59 @@ class Empirical(Distribution):
         return f"empirical, {len(self.values)} values, mean {self.mean():g}"
 
 
+@dataclass(frozen=True)
+class Shifted(Distribution):
+    """X + offset for a constant offset >= 0: a turn's input tokens plus the positions of its
+    images. Not registered (no file or flag writes it); the planner builds it."""
+
+    inner: Distribution
+    offset: float
+
+    def mean(self) -> float:
+        return self.inner.mean() + self.offset
+
+    def cdf(self, x: float) -> float:
+        return self.inner.cdf(x - self.offset)
+
+    def mean_min(self, cap: float) -> float:
+        # E[min(X + c, cap)] = c + E[min(X, cap - c)] when cap > c, else cap.
+        if cap <= 0:
+            return 0.0
+        return cap if cap <= self.offset else self.offset + self.inner.mean_min(cap - self.offset)
+
+    def quantile(self, p: float) -> float:
+        return self.inner.quantile(p) + self.offset
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} + {self.offset:g}"
+
+
+def shifted(d: Distribution, offset: float) -> Distribution:
+    """`d` moved right by `offset` (`d` itself when the offset is 0)."""
+    if offset < 0 or not math.isfinite(offset):
+        raise ValueError(f"a shift must be finite and >= 0, got {offset}")
+    return d if offset == 0 else Shifted(d, offset)
+
+
+def parse_image_size(value: Any) -> tuple[int, int]:
+    """(width, height) in pixels from ``1024x768``, ``1024×768`` or a pair."""
+    if isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        parts = str(value).lower().replace("×", "x").split("x")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        width, height = (float(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"cannot read image size {value!r}; write WIDTHxHEIGHT in pixels, e.g. 1024x768"
+        ) from None
+    if width != int(width) or height != int(height) or width < 1 or height < 1:
+        raise ValueError(f"an image size needs whole, positive pixel counts; got {value!r}")
+    return int(width), int(height)
+
+
 def _check_distribution(d: Distribution, what: str) -> Distribution:
     params = [v for v in dataclasses.asdict(d).values()]
     flat: list[float] = []
@@ -367,6 +425,9 @@ class Workload:
     decoder_replay: bool = True
     convention: str = "engine"  # see replaykv.model.accounting.CONVENTIONS
     multimodal: MultimodalLoad | None = None
+    images_per_turn: float = 0.0  # images in every user turn, the first included (a mean)
+    image_size: tuple[int, int] | None = None  # (width, height) pixels of each image
+    image_tokens: int | None = None  # span length of each image (instead of image_size)
 
     def __post_init__(self) -> None:
         for name in ("turns_per_session", "concurrency", "machines", "snapshots_per_turn"):
@@ -391,6 +452,19 @@ class Workload:
             raise ValueError("turn_tokens and output_tokens cannot both be zero: a turn must add tokens")
         if self.convention not in ("engine", "report"):
             raise ValueError(f"convention must be 'engine' or 'report', got {self.convention!r}")
+        if not math.isfinite(self.images_per_turn) or self.images_per_turn < 0:
+            raise ValueError(f"images_per_turn must be >= 0, got {self.images_per_turn!r}")
+        if self.image_size is not None and self.image_tokens is not None:
+            raise ValueError("give image_size or image_tokens for the workload's images, not both")
+        if self.image_size is not None and (len(self.image_size) != 2 or min(self.image_size) < 1):
+            raise ValueError(f"image_size must be (width, height) in pixels, got {self.image_size!r}")
+        if self.image_tokens is not None and self.image_tokens < 3:
+            raise ValueError(f"image_tokens is a span length (at least 3 positions), got {self.image_tokens}")
+        if self.images_per_turn > 0 and self.image_size is None and self.image_tokens is None:
+            raise ValueError(
+                "images_per_turn > 0 needs the images' size: image_size (WIDTHxHEIGHT pixels) or "
+                "image_tokens (positions per image)"
+            )
         mm = self.multimodal
         if mm is not None:
             for name in ("raw_bytes_per_token", "io_bandwidth", "gpu_flops"):
@@ -415,6 +489,8 @@ class Workload:
                 out[f.name] = v.to_dict()
             elif isinstance(v, MultimodalLoad):
                 out[f.name] = dataclasses.asdict(v)
+            elif isinstance(v, tuple):
+                out[f.name] = list(v)
             else:
                 out[f.name] = v
         return out
@@ -425,8 +501,10 @@ _DIST_FIELDS = {"turn_tokens": False, "output_tokens": False, "first_turn_tokens
 _SIZE_FIELDS = ("host_ram", "ssd", "device_memory")
 _TIME_FIELDS = ("retention", "swa_ttl")
 _INT_FIELDS = ("turns_per_session", "concurrency", "machines", "snapshots_per_turn", "replay_window",
-               "device_context_tokens")  # fmt: skip
-_FLOAT_FIELDS = ("sessions_per_hour", "pool_fraction", "target_hit_rate")
+               "device_context_tokens", "image_tokens")  # fmt: skip
+_FLOAT_FIELDS = ("sessions_per_hour", "pool_fraction", "target_hit_rate", "images_per_turn")
+_OPTIONAL_FIELDS = ("first_turn_tokens", "replay_window", "device_context_tokens", "multimodal", "image_size",
+                    "image_tokens")  # fmt: skip
 _BOOL_FIELDS = ("decoder_replay",)
 
 
@@ -459,8 +537,7 @@ def workload_from_dict(raw: dict[str, Any], base: Workload | None = None) -> Wor
         name = aliases.get(key, key)
         if name not in known:
             raise ValueError(f"unknown workload field {key!r}; known fields: {sorted(known)}")
-        if value is None and name not in ("first_turn_tokens", "replay_window", "device_context_tokens",
-                                          "multimodal"):  # fmt: skip
+        if value is None and name not in _OPTIONAL_FIELDS:
             raise ValueError(f"workload field {key!r} needs a value")
         try:
             if value is None:
@@ -479,6 +556,8 @@ def workload_from_dict(raw: dict[str, Any], base: Workload | None = None) -> Wor
                 kwargs[name] = _as_bool(name, value)
             elif name == "multimodal":
                 kwargs[name] = _multimodal_from_dict(value)
+            elif name == "image_size":
+                kwargs[name] = parse_image_size(value)
             else:
                 kwargs[name] = str(value)
         except (TypeError, ValueError) as e:

@@ -263,3 +263,90 @@ def test_no_published_result_is_a_constant_in_the_code() -> None:
     for path in files:
         hits = [line for line in path.read_text().splitlines() if published.search(line)]
         assert not hits, f"{path.name}: {hits}"
+
+
+# ------------------------------------------------------------------------------- images
+
+
+def test_images_grow_every_ledger_exactly_by_their_tokens(p41) -> None:  # type: ignore[no-untyped-def]
+    # One 544² image per turn with the released image path: 39 patches a side -> 13 × 13 grid
+    # -> 13 × 14 + 2 = 184 positions in every turn, 10 turns a session.
+    with_images = plan(v41_flash(), FIXED.replace(images_per_turn=1.0, image_size=(544, 544)))
+    im = with_images.images
+    assert im is not None and im.per_image["positions"] == 184 and im.per_image["patches"] == 39 * 39
+    extra_tokens = 10 * 184
+    assert with_images.ledgers.mean_session_tokens == p41.ledgers.mean_session_tokens + extra_tokens
+    assert with_images.ledgers.mean_turn_tokens == p41.ledgers.mean_turn_tokens + 184
+    extra_bytes = 72 * 3600 * 890 * extra_tokens  # sessions retained × g × image positions
+    s0, s1 = p41.storage, with_images.storage
+    assert s1.v41_policy_bytes - s0.v41_policy_bytes == pytest.approx(extra_bytes, rel=1e-12)
+    assert s1.v4_policy_bytes - s0.v4_policy_bytes == pytest.approx(
+        extra_bytes, rel=1e-12
+    )  # snapshots unchanged
+    assert im.storage_bytes == pytest.approx(extra_bytes, rel=1e-12)
+    assert im.global_bytes_per_session == 890 * extra_tokens
+    assert im.share_of_session_tokens == pytest.approx(extra_tokens / (15000 + extra_tokens))
+    assert im.feature_bytes_per_session == 10 * 184 * 5120 * 2
+    # The device question's context is the mean session, images included.
+    d0, d1 = p41.device, with_images.device
+    assert d1.context_tokens == d0.context_tokens + extra_tokens
+    assert d1.global_bytes_per_context == v41_flash_global(d0.context_tokens + extra_tokens)
+    # A follow-up turn's prefill runs the image's rows too.
+    assert with_images.compute.mean_turn_prefill == 21 * (1000 + 184) + 19 * 128
+    assert "1c. Images" in format_table(with_images) and "1c. Images" not in format_table(p41)
+
+
+def v41_flash_global(tokens: int) -> int:
+    from replaykv.model.accounting import kv_ledger
+
+    return kv_ledger(v41_flash()).global_bytes(tokens)
+
+
+def test_images_by_span_length_and_a_fractional_rate() -> None:
+    w = FIXED.replace(images_per_turn=0.5, image_tokens=1000, turn_tokens=LogNormal(800.0, 1.0))
+    p = plan(v41_flash(), w)
+    assert p.images is not None and p.images.per_image["patches"] is None
+    assert p.images.positions_per_turn == 500 and p.ledgers.mean_turn_tokens == 800 + 500 + 200
+    # The shifted turn length keeps E[min(X + c, W)] exact: c = 500 >= W = 128 here.
+    assert p.compute.mean_turn_prefill == pytest.approx(21 * 1300 + 19 * 128)
+
+
+def test_shifted_distribution() -> None:
+    from replaykv.plan.workload import Shifted, shifted
+
+    ln = LogNormal(300.0, 1.0)
+    s = shifted(ln, 50.0)
+    assert isinstance(s, Shifted) and shifted(ln, 0.0) is ln
+    assert s.mean() == pytest.approx(350.0) and s.cdf(50.0) == 0.0 and s.cdf(350.0) == ln.cdf(300.0)
+    assert s.quantile(0.9) == pytest.approx(ln.quantile(0.9) + 50.0)
+    assert s.mean_min(30.0) == 30.0
+    assert s.mean_min(200.0) == pytest.approx(super(Shifted, s).mean_min(200.0), rel=1e-4)
+    with pytest.raises(ValueError):
+        shifted(ln, -1.0)
+
+
+def test_images_in_files_flags_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("images_per_turn: 2\nimage_size: 1024x768\n")
+    w = load_workload(path)
+    assert w.images_per_turn == 2 and w.image_size == (1024, 768) and w.image_tokens is None
+    assert w.to_dict()["image_size"] == [1024, 768]
+    # A flag replaces the file's way of giving the image.
+    assert main(["--model", "v41-flash", "--workload", str(path), "--image-tokens", "300", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["images"]["per_image"]["positions"] == 300 and data["images"]["positions_per_turn"] == 600
+    # The vision tower of a config that has one.
+    assert main(["--model", "v41-tiny-vision", "--image-size", "84x84", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["images"]["per_image"]["positions"] == 8
+        and data["images"]["vision"] == "the config's vision_config"
+    )
+    assert main(["--images-per-turn", "1"]) == 2
+    assert "image_size" in capsys.readouterr().err
+    assert main(["--model", "v4-flash", "--image-size", "544x544"]) == 2
+    assert "DeepSeek-V4.1" in capsys.readouterr().err
+    assert main(["--image-size", "544"]) == 2
+    assert "WIDTHxHEIGHT" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not both"):
+        FIXED.replace(image_size=(10, 10), image_tokens=50)
