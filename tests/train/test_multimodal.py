@@ -1,6 +1,7 @@
 """Multimodal training systems on `v41-tiny-vision` (float32): the three-phase step against one
-autograd graph, and the contrastive stage with overlapped and blocking gathers in two gloo
-processes against one process on the whole batch."""
+autograd graph, the contrastive stage with overlapped and blocking gathers in two gloo
+processes against one process on the whole batch, and context-parallel image loading (CP = 2)
+against one process, with every image read once."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from replaykv.images import PromptImage
 from replaykv.model.checkpoint import build_model, load_model
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny_vision
 from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.train.context import ContextShards
 from replaykv.train.multimodal.contrastive import (
     ContrastiveConfig,
     contrastive_step,
@@ -25,6 +28,7 @@ from replaykv.train.multimodal.contrastive import (
 from replaykv.train.multimodal.data import ImageStore, make_pairs
 from replaykv.train.multimodal.phases import PhaseTimes, lm_loss, split_tower, three_phase_step
 from replaykv.train.multimodal.run import ContrastiveArgs, build, launch, projections
+from replaykv.train.multimodal.sharded import Placement, ShardedImageLoader, shard_lm_loss
 
 TOL = 1e-5
 
@@ -158,3 +162,79 @@ def test_generated_pairs_are_seeded_and_reads_are_counted() -> None:
     b = make_pairs(1, 3, vc)
     assert a.captions == b.captions and [im.digest for im in a.images] == [im.digest for im in b.images]
     assert dict(store.reads) == {0: 1, 1: 1, 2: 1}
+
+
+# ---------------------------------------------------------------------------------- CP loading
+SEQ = 64
+
+
+def _sequence(image_token: int) -> tuple[ImageStore, list[Placement], torch.Tensor, torch.Tensor]:
+    """A 64-token sequence with three images: one in shard 0, one straddling the boundary at
+    32, one in shard 1 (CP = 2)."""
+    vc = v41_tiny_vision().vision_config
+    store = ImageStore()
+    pairs = make_pairs(21, 3, vc, store=store)
+    store.reads.clear()
+    starts = [2, 26, 44]
+    placements = [Placement(k, s, pairs.images[k].span_length) for k, s in enumerate(starts)]
+    ids = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(8))
+    for p in placements:
+        ids[0, p.start : p.end] = image_token
+    assert placements[1].start < SEQ // 2 < placements[1].end
+    return store, placements, ids, torch.ones(1, SEQ)
+
+
+def _cp_step(
+    rank: int, world: int, shard_reads: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[int, int]]:
+    model = vision_model()
+    lm, tower = split_tower(model)
+    store, placements, ids, targets = _sequence(model.config.image_token_id)
+    shards = ContextShards(rank, world, dist.group.WORLD, list(range(world))) if world > 1 else None
+    loader = ShardedImageLoader(tower, model.config.vision_config, store, shards, SEQ // world, shard_reads)
+    images = loader.forward(placements)
+    loss = shard_lm_loss(lm, ids, targets, shards, images.spans)
+    loss.backward()
+    loader.backward(placements, images)
+    grads = grads_of(("", lm), ("model.vision.", tower))
+    total = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(total)
+        for g in grads.values():
+            dist.all_reduce(g)
+    return total, grads, dict(store.reads)
+
+
+def _cp_worker(rank: int, world: int, port: int, out: str, shard_reads: bool) -> None:
+    import os
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        loss, grads, reads = _cp_step(rank, world, shard_reads)
+        every: list[dict[int, int] | None] = [None] * world
+        dist.all_gather_object(every, reads)
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads, "reads": every}, Path(out) / "cp.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shard_reads", [True, False], ids=["sharded", "every-shard-reads"])
+def test_context_parallel_image_loading_reads_each_image_once(tmp_path: Path, shard_reads: bool) -> None:
+    import torch.multiprocessing as mp
+
+    from replaykv.train.pipeline.run import free_port
+
+    loss_1, grads_1, reads_1 = _cp_step(0, 1, True)
+    assert reads_1 == {0: 1, 1: 1, 2: 1}
+    mp.spawn(_cp_worker, args=(2, free_port(), str(tmp_path), shard_reads), nprocs=2, join=True)
+    got = torch.load(tmp_path / "cp.pt", weights_only=False)
+    assert abs(float(got["loss"]) - float(loss_1)) <= TOL
+    assert max((got["grads"][k] - grads_1[k]).abs().max().item() for k in grads_1) <= 1e-4
+    per_image = {k: sum(r.get(k, 0) for r in got["reads"]) for k in range(3)}
+    if shard_reads:
+        assert per_image == {0: 1, 1: 1, 2: 1}  # the straddling image too
+    else:
+        assert per_image == {0: 1, 1: 2, 2: 1}  # the straddling image is read by both shards
