@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from replaykv.cli_parser import (
     ArgumentParser,
@@ -85,11 +86,14 @@ def cmd_score(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: token ids out of range [0, {vocab}): {bad[:5]}", file=sys.stderr)
         return 2
+    images = _score_images(model, ids, args.image or [])
     if args.cut is None:
         if args.swa_miss_strategy or args.decoder_replay == "on":
             print("error: --swa-miss-strategy and --decoder-replay need --cut H", file=sys.stderr)
             return 2
-        logits = score(model, ids, chunk=args.chunk)
+        from replaykv.engine.scenario import image_spans
+
+        logits = score(model, ids, chunk=args.chunk, spans=image_spans(model, images))
     else:
         from replaykv.engine.scenario import score_after_cut
         from replaykv.replay import ReplayFlags
@@ -101,7 +105,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         )
         try:
             logits, plan = score_after_cut(
-                model, ids, args.cut, flags, keep_snapshot=not args.swa_miss_strategy
+                model, ids, args.cut, flags, keep_snapshot=not args.swa_miss_strategy, images=images
             )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -110,6 +114,38 @@ def cmd_score(args: argparse.Namespace) -> int:
     np.save(args.out, logits.numpy().astype(np.float32))
     print(f"wrote {args.out}: float32 {tuple(logits.shape)}")
     return 0
+
+
+def _score_images(model: Any, ids: list[int], given: list[str]) -> list[Any]:
+    """`--image FILE@START` values -> PromptImages over `ids` (the span's positions must carry the
+    model's image token id)."""
+    from replaykv.images import ImageError, PromptImage, prepare_image
+
+    if not given:
+        return []
+    vision = model.config.vision_config
+    if vision is None:
+        raise UsageError("--image: the model has no vision tower; it reads text only")
+    images = []
+    for value in given:
+        path, sep, start_text = value.rpartition("@")
+        if not sep or not start_text.isdigit():
+            raise UsageError(f"--image takes FILE@START (START: the span's first position), got {value!r}")
+        try:
+            image = prepare_image(Path(path).read_bytes(), vision)
+        except OSError as e:
+            raise UsageError(f"--image {path}: cannot read it ({e.strerror or e})") from e
+        except ImageError as e:
+            raise UsageError(f"--image {path}: {e}") from e
+        im = PromptImage(int(start_text), image)
+        token = model.config.image_token_id
+        if im.end > len(ids) or any(t != token for t in ids[im.start : im.end]):
+            raise UsageError(
+                f"--image {value}: its span [{im.start}, {im.end}) ({image.grid[0]} x {image.grid[1]} grid) must "
+                f"lie in the input and carry the image token id {token}"
+            )
+        images.append(im)
+    return images
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -242,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="output .npy file")
     sp.add_argument(
         "--cut", type=int, default=None, help="prefill [0, H) as an earlier request, score [H, end)"
+    )
+    sp.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE@START",
+        help="an image whose span starts at position START (its positions carry the image token id); repeatable",
     )
     sp.add_argument(
         "--swa-miss-strategy",

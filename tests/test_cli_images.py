@@ -74,3 +74,43 @@ def test_generate_refuses_images_for_a_text_only_model(
 ) -> None:
     assert main(["generate", "--preset", "tiny", "--image", str(picture)]) == 2
     assert "has no vision tower" in capsys.readouterr().err
+
+
+def test_score_with_an_image_keeps_the_replay_semantics(tmp_path: Path, picture: Path) -> None:
+    """`replaykv score --cut H --image FILE@START` writes what the scenario scorer computes with
+    the image placed (an image straddling the cut, bounded replay with decoder replay on)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from replaykv.engine.scenario import score_after_cut
+    from replaykv.images import PromptImage
+    from replaykv.model.checkpoint import build_model, load_model, save_pretrained
+    from replaykv.model.init import init_weights
+    from replaykv.replay import ReplayFlags
+
+    config = get_preset(PRESET)
+    save_pretrained(init_weights(build_model(config), seed=2), tmp_path / "model")
+    image = prepare_image(picture.read_bytes(), config.vision_config)
+    ids = [65 + i % 20 for i in range(48)]
+    start = 26
+    ids[start : start + image.span_length] = [config.image_token_id] * image.span_length
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    out = tmp_path / "logits.npy"
+    args = ["score", "--model", str(tmp_path / "model"), "--input-ids", str(tmp_path / "ids.json"),
+            "--out", str(out), "--cut", "32", "--swa-miss-strategy", "bounded", "--decoder-replay", "on",
+            "--image", f"{picture}@{start}"]  # fmt: skip
+    assert main(args) == 0
+    got = np.load(out)
+    model = load_model(tmp_path / "model")
+    flags = ReplayFlags(enable_decoder_swa_bounded_replay=True, swa_miss_strategy="bounded")
+    want, plan = score_after_cut(
+        model, ids, 32, flags, keep_snapshot=False, images=[PromptImage(start, image)]
+    )
+    assert plan.path == "bounded"
+    assert np.allclose(got, want.numpy(), atol=1e-6, equal_nan=True)
+    without, _ = score_after_cut(model, ids, 32, flags, keep_snapshot=False)
+    assert not torch.allclose(torch.from_numpy(got)[-1], without[-1], atol=1e-3)
+    bad = [*args[:-1], f"{picture}@3"]
+    assert main(bad) == 2

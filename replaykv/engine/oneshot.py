@@ -6,7 +6,7 @@ same calls. Not for: scheduling several requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,10 +23,12 @@ def prefill(
     chunk: int | None = None,
     logits_rows: str = "all",
     on_logits: Callable[[torch.Tensor], None] | None = None,
+    spans: Sequence[tuple[int, torch.Tensor]] = (),
 ) -> torch.Tensor:
     """Run ids [B, S] in chunks of `chunk` tokens, advancing the view; returns the last chunk's logits.
 
     With on_logits, every chunk's logits are handed over as they come (for scoring long inputs).
+    `spans`: image spans of a one-row input (first position, span vectors), placed in every chunk.
     """
     s = ids.shape[1]
     step = s if not chunk or chunk <= 0 else chunk
@@ -35,20 +37,25 @@ def prefill(
         for i in range(0, s, step):
             part = ids[:, i : i + step]
             rows = logits_rows if (on_logits is not None or i + step >= s) else "none"
-            logits = model(part, view, logits_rows=rows)
+            logits = model(part, view, logits_rows=rows, spans=spans) if spans else model(part, view, logits_rows=rows)
             advance(view, part.shape[1])
             if on_logits is not None:
                 on_logits(logits)
     return logits
 
 
-def score(model: DeepseekV4ForCausalLM, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Teacher-forced float32 logits [S, vocab] of one sequence."""
+def score(
+    model: DeepseekV4ForCausalLM,
+    ids: list[int],
+    chunk: int | None = None,
+    spans: Sequence[tuple[int, torch.Tensor]] = (),
+) -> torch.Tensor:
+    """Teacher-forced float32 logits [S, vocab] of one sequence (its image spans placed)."""
     device = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
     view = allocate_view(ModelSpec.from_config(model.config), 1, len(ids), device, _cache_dtype(model))
     parts: list[torch.Tensor] = []
-    prefill(model, x, view, chunk, on_logits=lambda lg: parts.append(lg[0].float().cpu()))
+    prefill(model, x, view, chunk, on_logits=lambda lg: parts.append(lg[0].float().cpu()), spans=spans)
     return torch.cat(parts, dim=0)
 
 
