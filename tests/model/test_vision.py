@@ -28,7 +28,7 @@ from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.model.vision import DeepseekV41VisionConfig
 from tests.model.v41_reference import reference_logits
-from tests.model.vision_reference import naive_span
+from tests.model.vision_reference import naive_span, reference_logits_with_images
 
 TOL = 1e-4
 
@@ -173,7 +173,7 @@ def test_one_shot_and_chunked_prefill_with_images_equal_the_reference(
     assert model.model.vision is not None
     with torch.no_grad():
         spans = [(s, model.model.vision.span(im)) for s, im in images]
-    ref = _reference(model, ids, spans)
+    ref = reference_logits_with_images(model, ids, [(s, im.canvas) for s, im in images])  # naive tower too
     one = _run(model, ids, spans, [n])
     assert (one - ref).abs().max().item() <= TOL
     # chunk boundaries inside every span and at the window's edge

@@ -95,3 +95,19 @@ def naive_span(model: Any, canvas: torch.Tensor) -> torch.Tensor:
         span.append(sd["image_newline"])
     span.append(sd["image_end"])
     return torch.stack(span)
+
+
+def reference_logits_with_images(
+    model: Any, ids: list[int], images: list[tuple[int, torch.Tensor]]
+) -> torch.Tensor:
+    """The dense text reference's logits [S, vocab] of `ids` with each image (first position,
+    uint8 canvas) placed by this module's naive tower, its rows routed with the image bias."""
+    from tests.model.v41_reference import reference_logits
+
+    emb = model.state_dict()["model.embed_tokens.weight"].detach().float()[torch.tensor(ids)].clone()
+    rows = torch.zeros(len(ids), dtype=torch.bool)
+    for start, canvas in images:
+        span = naive_span(model, canvas)
+        emb[start : start + span.shape[0]] = span
+        rows[start : start + span.shape[0]] = True
+    return reference_logits(model, ids, inputs=emb, image_rows=rows)[0]
