@@ -2,4 +2,5 @@
 
 from replaykv.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # spawned worker processes import this module without running it
+    raise SystemExit(main())

@@ -8,10 +8,14 @@
     replaykv train --recipe small --out /tmp/v41-small --device cuda --shard-size 16MiB   # on a GPU
     replaykv train --recipe tiny --out /tmp/pp --pipeline-stages 2 --micro-batches 4 --schedule 1f1b
     replaykv train --recipe small --out /tmp/pp --pipeline-stages 3 --stage-boundaries 4,8 --print-plan
+    replaykv train --recipe tiny --out /tmp/clip --contrastive --processes 2 --pairs 4 --steps 10
+    replaykv train --recipe small --out /tmp/clip --contrastive --init replaykv/weights/small
 
 The process re-executes itself with glibc keeping freed memory (:mod:`replaykv.malloc`).
 
-Parsing only; the work is in :mod:`replaykv.train.loop`. Not for: serving the result.
+Parsing only; the work is in :mod:`replaykv.train.loop` (:mod:`replaykv.train.pipeline.run` with
+``--pipeline-stages``, :mod:`replaykv.train.multimodal.run` with ``--contrastive``). Not for:
+serving the result.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from replaykv.cli_parser import ArgumentParser, positive_int
+from replaykv.cli_parser import ArgumentParser, positive_int, usage_error
 from replaykv.train.recipes import RECIPES, Recipe, get_recipe
 
 
@@ -131,10 +135,46 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the stage plan (layers, payload, shadow indexers) and exit",
     )
+    cs = p.add_argument_group("image-caption contrastive stage (replaykv.train.multimodal)")
+    cs.add_argument(
+        "--contrastive",
+        action="store_true",
+        help="train the vision tower and the language model on generated image-caption pairs with "
+        "the pairwise sigmoid loss, on the recipe's preset with its vision tower (<preset>-vision); "
+        "data parallel over --processes gloo processes on the CPU (or started by torchrun)",
+    )
+    cs.add_argument(
+        "--processes", type=positive_int, default=None, help="processes of the contrastive stage (default 2)"
+    )
+    cs.add_argument(
+        "--pairs", type=positive_int, default=None, help="image-caption pairs per process a step (default 4)"
+    )
+    cs.add_argument(
+        "--blocking-gathers",
+        action="store_true",
+        help="wait for each feature gather where it is issued (default: the image features travel "
+        "during the text forward, the text features during the text backward)",
+    )
     return p
 
 
 PIPELINE_UNSUPPORTED = ("ship", "from_stage", "micro_batch", "shard_size", "eval_only", "bar")
+# What --contrastive reads (with --device cpu or auto); every other option given is refused.
+CONTRASTIVE_OPTIONS = ("recipe", "out", "contrastive", "processes", "pairs", "blocking_gathers", "steps",
+                       "init", "threads", "no_progress", "device")  # fmt: skip
+CONTRASTIVE_ONLY = ("processes", "pairs", "blocking_gathers")
+
+
+def given_options(argv: list[str] | None) -> dict[str, str]:
+    """The options on the command line (dest -> its flag), whatever their values: a default
+    given explicitly counts, so a mode can refuse every option it does not read."""
+    probe = build_parser()
+    flags = {}
+    for action in probe._actions:
+        if action.option_strings:
+            flags[action.dest] = action.option_strings[0]
+            action.default = argparse.SUPPRESS
+    return {dest: flags[dest] for dest in vars(probe.parse_args(argv))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     recipe = get_recipe(args.recipe)
+    if args.contrastive:
+        return _contrastive(recipe, args, given_options(argv))
+    stray = [f"--{name.replace('_', '-')}" for name in CONTRASTIVE_ONLY if getattr(args, name)]
+    if stray:
+        verb = "applies" if len(stray) == 1 else "apply"
+        return usage_error(f"{', '.join(stray)} {verb} only with --contrastive")
     if args.pipeline_stages is not None or args.print_plan or args.context_parallel > 1:
         return _pipeline(recipe, args)
     try:
@@ -252,6 +298,87 @@ def _pipeline(recipe: Recipe, args: argparse.Namespace) -> int:
             f"{report['median_step_seconds']:.2f} s; report in {args.out}/pipeline.json"
         )
     return 0
+
+
+def _contrastive(recipe: Recipe, args: argparse.Namespace, given: dict[str, str]) -> int:
+    import os
+    from pathlib import Path
+
+    from replaykv.model.presets_v41 import PRESETS_V41
+    from replaykv.train.multimodal.run import REPORT, VISION_DIR, ContrastiveArgs, ContrastiveError, launch
+
+    refused = [flag for dest, flag in given.items() if dest not in CONTRASTIVE_OPTIONS]
+    if refused:
+        return usage_error(f"{', '.join(refused)} not implemented with --contrastive")
+    if args.device not in ("auto", "cpu"):
+        return usage_error(f"--device {args.device}: the contrastive stage runs on the CPU (gloo) only")
+    preset = f"{recipe.preset}-vision"
+    if preset not in PRESETS_V41:
+        vision = sorted(name for name in PRESETS_V41 if name.endswith("-vision"))
+        return usage_error(
+            f"--contrastive: recipe {recipe.name!r} trains preset {recipe.preset!r}, which has no "
+            f"vision variant {preset!r} (presets with a tower: {', '.join(vision)})"
+        )
+    if args.init is not None:
+        if not (Path(args.init) / "config.json").is_file():
+            return usage_error(f"--init {args.init}: not a model directory (no config.json)")
+        try:
+            mismatch = _text_mismatch(args.init, preset)
+        except (KeyError, TypeError, ValueError) as e:
+            return usage_error(f"--init {args.init}: unreadable config.json ({e})")
+        if mismatch:
+            return usage_error(
+                f"--init {args.init}: its weights do not fit preset {preset!r} of recipe {recipe.name!r} "
+                f"({mismatch})"
+            )
+    started = int(os.environ.get("WORLD_SIZE", "0"))  # torchrun's processes, when it started us
+    if started and args.processes not in (None, started):
+        return usage_error(f"--processes {args.processes}, but torchrun started {started} processes")
+    run = ContrastiveArgs(
+        preset=preset,
+        out=args.out,
+        processes=args.processes or started or 2,
+        steps=args.steps or ContrastiveArgs.steps,
+        pairs=args.pairs or ContrastiveArgs.pairs,
+        overlap=not args.blocking_gathers,
+        init=args.init,
+        threads=args.threads,
+    )
+    try:
+        report = launch(run)
+    except (FileNotFoundError, ValueError, ContrastiveError) as e:
+        return usage_error(str(e))
+    if report is None:  # a torchrun process other than rank 0
+        return 0
+    steps, median = report["steps"], report["median"]
+    gathers = "blocking" if args.blocking_gathers else "overlapped"
+    print(
+        f"{recipe.name} contrastive ({preset}): {len(steps)} steps, {run.processes} processes x "
+        f"{run.pairs} pairs, final loss {steps[-1]['loss']:.4f}; median exposed gather ({gathers}): "
+        f"image {median['image_gather'] * 1e3:.2f} ms, text {median['text_gather'] * 1e3:.2f} ms; "
+        f"wrote {Path(args.out) / REPORT}, the export and {Path(args.out) / VISION_DIR}/"
+    )
+    return 0
+
+
+def _text_mismatch(init: str, preset: str) -> str | None:
+    """What keeps `init`'s weights out of `preset`'s model (its language model's, and its tower's if
+    it has one; shapes compared on the meta device, nothing loaded), or None when they fit."""
+    import torch
+
+    from replaykv.model.checkpoint import build_model, load_config
+    from replaykv.model.presets_v41 import get_preset_v41
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in build_model(get_preset_v41(preset)).state_dict().items()}
+        have = {k: tuple(v.shape) for k, v in build_model(load_config(init)).state_dict().items()}
+    for key, shape in have.items():
+        if key not in want and not key.startswith("model.vision."):
+            return f"the preset has no {key}"
+        if key in want and want[key] != shape:  # a tower of another shape does not load either
+            return f"{key} is {list(shape)} in it, {list(want[key])} in the preset"
+    absent = [k for k in want if not k.startswith("model.vision.") and k not in have]
+    return f"it has no {absent[0]}" if absent else None
 
 
 def torch_cuda() -> bool:

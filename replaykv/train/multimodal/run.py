@@ -80,7 +80,8 @@ def projections(model: DeepseekV41ForCausalLM, dim: int, seed: int) -> tuple[nn.
 
 
 def build(args: ContrastiveArgs) -> DeepseekV41ForCausalLM:
-    """The model of the stage: `init`'s text weights (if given) with a fresh tower, or the preset."""
+    """The model of the stage: the preset drawn from `seed`, with `init`'s weights loaded over it
+    when given (its text weights, and its tower's if it has one)."""
     config = get_preset_v41(args.preset)
     if config.vision_config is None:
         raise ValueError(f"preset {args.preset!r} has no vision tower; the contrastive stage needs one")
@@ -89,7 +90,12 @@ def build(args: ContrastiveArgs) -> DeepseekV41ForCausalLM:
     init_weights(model, seed=args.seed)
     if args.init is not None:
         text = load_model(args.init)
-        missing = model.load_state_dict(text.state_dict(), strict=False).missing_keys
+        try:
+            missing = model.load_state_dict(text.state_dict(), strict=False).missing_keys
+        except RuntimeError as e:  # tensors of other shapes
+            raise ValueError(
+                f"--init {args.init}: its weights do not fit preset {args.preset!r} ({e})"
+            ) from e
         if any(not k.startswith("model.vision.") for k in missing):
             raise ValueError(f"--init {args.init}: its weights do not fit preset {args.preset!r}")
     model.float().train()

@@ -2,8 +2,9 @@
 
 Under context parallelism (:mod:`replaykv.train.context`) shard c of CP holds positions
 [c·L, (c+1)·L) of the sequence. Its images are spread over the shards for reading: image k goes
-to the shard with the fewest bytes assigned so far (largest images first), which reads it from
-storage, prepares it and runs the tower on it (phase 1 of the three-phase step). The owner then
+to the shard that holds most of its span (between equal parts, the one with the fewest bytes
+assigned so far), which reads it from storage, prepares it and runs the tower on it (phase 1
+of the three-phase step), so only a straddling span's other part travels. The owner then
 sends each shard the rows of the span that fall in that shard's positions, so a span that
 straddles a boundary is split between two shards and an image is read and encoded exactly once
 per step however many shards it touches. After the language model's backward (phase 2), each
@@ -44,13 +45,17 @@ class Placement:
         return self.start + self.length
 
 
-def assign_readers(placements: list[Placement], nbytes: list[int], shards: int) -> list[int]:
-    """The reading shard of each image: largest first, to the shard with the fewest bytes so far
-    (ties to the lower shard). Deterministic, so every shard computes the same assignment."""
+def assign_readers(placements: list[Placement], nbytes: list[int], shards: int, length: int) -> list[int]:
+    """The reading shard of each image: the shard holding most of its span (so only a
+    straddling span's other part travels); between shards holding equal parts, the one with
+    the fewest bytes assigned so far, then the lower one. Deterministic, so every shard computes
+    the same assignment. (`length`: positions per shard.)"""
     load = [0] * shards
     owner = [0] * len(placements)
     for k in sorted(range(len(placements)), key=lambda k: (-nbytes[k], k)):
-        c = min(range(shards), key=lambda j: (load[j], j))
+        p = placements[k]
+        held = [max(0, min(p.end, (c + 1) * length) - max(p.start, c * length)) for c in range(shards)]
+        c = min(range(shards), key=lambda j: (-held[j], load[j], j))
         owner[k] = c
         load[c] += nbytes[k]
     return owner
@@ -114,7 +119,9 @@ class ShardedImageLoader:
                     out.leaves[k] = leaf
                     out.spans.append((a, leaf))
             return out
-        owner = assign_readers(placements, [self.store.nbytes(p.image_id) for p in placements], self.size)
+        owner = assign_readers(
+            placements, [self.store.nbytes(p.image_id) for p in placements], self.size, self.length
+        )
         ops: list[tuple[Any, torch.Tensor, int]] = []
         hidden = self.tower.image_start.shape[0]
         for k, p in enumerate(placements):
@@ -184,9 +191,9 @@ class ShardedImageLoader:
             p = placements[k]
             g = torch.zeros_like(vec)
             a, b = self._rows(p, self.index)
-            leaf = step.leaves.get(k)
-            if leaf is not None and leaf.grad is not None:
-                g[a - p.start : b - p.start] = leaf.grad
+            own = step.leaves.get(k)
+            if own is not None and own.grad is not None:
+                g[a - p.start : b - p.start] = own.grad
             for ca, cb, buf in received.get(k, []):
                 g[ca - p.start : cb - p.start] += buf
             outs.append(vec)
