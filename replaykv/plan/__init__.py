@@ -6,12 +6,18 @@ Python API::
     p = plan(load_model_config("v41-flash"), Workload(swa_ttl=300.0))
     print(format_table(p)); write_plots(p, "out/")
 
+The multimodal loading condition (``replaykv plan --loading``)::
+
+    from replaykv.plan import DataMix, Hardware, format_loading, loading_report
+    print(format_loading(loading_report(load_model_config("v41-flash"), DataMix(), Hardware(2e9, 900e12))))
+
 Command line: :func:`replaykv.plan.cli.main` (``python -m replaykv.plan.cli --help``).
 Uses only the model's configs and accounting; the engine does not import this package.
 """
 
 from __future__ import annotations
 
+from replaykv.plan.loading import DataMix, Hardware, format_loading, loading_report
 from replaykv.plan.planner import Plan, format_table, load_model_config, plan
 from replaykv.plan.plots import write_plots
 from replaykv.plan.workload import (
@@ -24,13 +30,17 @@ from replaykv.plan.workload import (
 )
 
 __all__ = [
+    "DataMix",
     "Distribution",
+    "Hardware",
     "MultimodalLoad",
     "Plan",
     "Workload",
+    "format_loading",
     "format_table",
     "load_model_config",
     "load_workload",
+    "loading_report",
     "parse_distribution",
     "plan",
     "workload_from_dict",

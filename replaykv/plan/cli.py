@@ -2,20 +2,25 @@
 
     python -m replaykv.plan.cli --model v41-flash --workload agent.yaml --plots out/ [--json]
     python -m replaykv.plan.cli --model v41-flash --images-per-turn 0.5 --image-size 1024x768
+    python -m replaykv.plan.cli --loading --model v41-flash --image-fraction 0.3 --image-bytes 150kB
 
 The model is a preset or a config.json; the workload comes from defaults, then the file, then
 the flags (each flag overrides the file). Output: a table, or JSON with ``--json``; PNG plots
-with ``--plots DIR``. Exit status 0 on success, 2 on a bad argument, model or workload.
-Not for: the arithmetic (:mod:`replaykv.plan.planner`).
+with ``--plots DIR``. ``--loading`` prints the multimodal loading condition instead, for a data
+mix, given hardware figures and the rates measured on this machine
+(:mod:`replaykv.plan.loading`). Exit status 0 on success, 2 on a bad argument, model or workload.
+Not for: the arithmetic (:mod:`replaykv.plan.planner`, :mod:`replaykv.plan.loading`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
-from replaykv.cli_parser import ArgumentParser
+from replaykv.cli_parser import ArgumentParser, UsageError, check_device
+from replaykv.plan import loading
 from replaykv.plan.planner import format_table, load_model_config, plan
 from replaykv.plan.workload import Workload, load_workload, workload_from_dict
 
@@ -61,6 +66,22 @@ _MM_FLAGS = {
     ),
     "gpu_flops": ("--mm-gpu-flops", "multimodal: accelerator FLOP/s"),
 }
+_LOADING_FLAGS = {
+    "image_fraction": ("--image-fraction", "share of tokens that are image positions (default 0.3)"),
+    "image_bytes": ("--image-bytes", "bytes of one image as stored, JPEG/PNG (default 150kB)"),
+    "text_bytes": ("--text-bytes", "raw bytes per text token (default 4: UTF-8; 1 for a byte vocabulary)"),
+    "storage_bandwidth": (
+        "--io-bandwidth",
+        f"storage read bandwidth per accelerator (default {loading.DEFAULT_IO_BANDWIDTH:.0e} B/s, e.g. 2GB/s)",
+    ),
+    "accelerator_flops": (
+        "--accelerator-flops",
+        f"compute per accelerator (default {loading.DEFAULT_ACCELERATOR_FLOPS:.0e} FLOP/s, e.g. 900T)",
+    ),
+    "tower": ("--tower", "vision tower FLOPs counted: train (default), frozen (forward only) or none"),
+    "measure_seconds": ("--measure-seconds", "seconds for each measurement (default 1)"),
+    "measure_device": ("--measure-device", "torch device of the matmul measurement (default: cuda if any)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "report's split, the last KV source counted as decoder")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plots", metavar="DIR", help="write the PNG plots into DIR")
+    g = p.add_argument_group(
+        "loading condition",
+        "--loading: rho < (B_IO / B_GPU) * C for a data mix (with --image-size or --image-tokens "
+        "per image, default 1024x768), on given and on measured hardware",
+    )
+    g.add_argument("--loading", action="store_true", help="print the loading condition instead of the plan")
+    metavars = {"image_fraction": "F", "image_bytes": "SIZE", "text_bytes": "SIZE", "storage_bandwidth": "BYTES/S",
+                "accelerator_flops": "FLOP/S", "tower": "MODE", "measure_seconds": "S", "measure_device": "DEVICE"}  # fmt: skip
+    for dest, (flag, text) in _LOADING_FLAGS.items():
+        g.add_argument(flag, dest=dest, default=None, metavar=metavars[dest], help=text)
+    g.add_argument("--no-measure", action="store_true", help="skip the measurements on this machine")
     return p
 
 
@@ -102,11 +134,73 @@ def _workload(args: argparse.Namespace) -> Workload:
     return workload_from_dict(flags, base)
 
 
+def _loading_report(args: argparse.Namespace) -> loading.LoadingReport:
+    """The report of `replaykv plan --loading`; ValueError or UsageError for a bad argument."""
+    planner_only = [flag for dest, (flag, _) in {**_FLAGS, **_MM_FLAGS}.items()
+                    if dest not in ("image_size", "image_tokens") and getattr(args, dest) is not None]  # fmt: skip
+    planner_only += [flag for flag, on in (("--workload", args.workload), ("--plots", args.plots),
+                     ("--no-decoder-replay", args.decoder_replay is not None),
+                     ("--accounting", args.convention)) if on]  # fmt: skip
+    if planner_only:
+        raise UsageError(f"--loading does not use {', '.join(planner_only)} (flags of the capacity plan)")
+    mix = loading.data_mix_from_args(
+        image_fraction=args.image_fraction,
+        image_bytes=args.image_bytes,
+        image_size=args.image_size,
+        image_positions=args.image_tokens,
+        text_bytes=args.text_bytes,
+    )
+    hardware = loading.Hardware(
+        io_bandwidth=loading.parse_bandwidth(args.storage_bandwidth or loading.DEFAULT_IO_BANDWIDTH),
+        accelerator_flops=loading.parse_flops(args.accelerator_flops or loading.DEFAULT_ACCELERATOR_FLOPS),
+    )
+    tower = args.tower or "train"
+    if tower not in loading.TOWER_MODES:
+        raise UsageError(f"--tower {tower!r}: choose one of {', '.join(loading.TOWER_MODES)}")
+    seconds: float | None = None
+    device = "cpu"
+    if not args.no_measure:
+        try:
+            seconds = float(args.measure_seconds or 1.0)
+        except ValueError:
+            raise UsageError(f"--measure-seconds: expected a number, got {args.measure_seconds!r}") from None
+        if not 0 < seconds <= 600:
+            raise UsageError(f"--measure-seconds must lie in (0, 600], got {args.measure_seconds}")
+        import torch
+
+        device = args.measure_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        check_device(device)
+    elif args.measure_seconds is not None or args.measure_device is not None:
+        raise UsageError("--no-measure leaves nothing for --measure-seconds or --measure-device")
+    config = load_model_config(args.model, backbone_only=args.backbone_only)
+    return loading.loading_report(
+        config, mix, hardware, tower=tower, model_name=args.model, measure_seconds=seconds, device=device
+    )
+
+
+def _run_loading(args: argparse.Namespace) -> int:
+    try:
+        report = _loading_report(args)
+    except (ValueError, UsageError, NotImplementedError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else loading.format_loading(report))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
+    if args.loading:
+        return _run_loading(args)
+    loading_only = [flag for dest, (flag, _) in _LOADING_FLAGS.items() if getattr(args, dest) is not None]
+    if args.no_measure:
+        loading_only.append("--no-measure")
+    if loading_only:
+        print(f"error: {', '.join(loading_only)} belong(s) to --loading; add --loading", file=sys.stderr)
+        return 2
     try:
         config = load_model_config(args.model, backbone_only=args.backbone_only)
         result = plan(config, _workload(args), model_name=args.model)
