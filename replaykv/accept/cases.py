@@ -8,7 +8,7 @@ images), the cut H (the cached prefix [0, H) an earlier request leaves), the shi
 contract's seed and the cell, so a contract always runs the same prompts.
 
 The image suffix: the task's turn with its reference answer, then a user turn holding a
-generated picture (:mod:`replaykv.accept.pictures`) and its question::
+generated picture (:mod:`replaykv.pictures`) and its question::
 
     task prompt ... <|assistant|> answer <|end|> <|user|> [image] × span question <|end|> <|assistant|>
     [0, turn_end) first turn                      [turn_end, S) the image turn (uncached at cut "end")
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from replaykv.accept.contract import Contract, ContractError, Matrix
-from replaykv.accept.pictures import Picture, draw_picture
 from replaykv.images import PromptImage, prepare_image
+from replaykv.pictures import Picture, draw_picture
 from replaykv.train.evaluate import eval_controls
 from replaykv.train.tasks import TASKS, TOKENIZER, Filler, TaskSample, generate, one_insert_prompt, score
 

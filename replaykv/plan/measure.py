@@ -2,7 +2,7 @@
 
 :func:`measure_loader` measures B_IO as this software loads images: read a file from a temporary
 directory, decode it and apply the resize plan (:func:`replaykv.images.prepare_image`), on PNG
-and JPEG files of generated pictures (:func:`replaykv.accept.pictures.draw_picture`). The files
+and JPEG files of generated pictures (:func:`replaykv.pictures.draw_picture`). The files
 sit in the page cache, so this is the host's read, decode and preprocess rate in one process,
 not a cold disk's. :func:`measure_matmul` measures B_GPU as the best ``torch.mm`` rate over a few
 sizes, per dtype. Each runs for about a second by default; the figures are reported, never
@@ -54,7 +54,7 @@ def _picture_files(
     import numpy as np
     from PIL import Image
 
-    from replaykv.accept.pictures import draw_picture
+    from replaykv.pictures import draw_picture
 
     rng = np.random.default_rng(seed)
     files = []

@@ -17,11 +17,11 @@ from replaykv.accept.cases import ImageSetup, build_cases, outcome
 from replaykv.accept.cli import main as accept_main
 from replaykv.accept.contract import ContractError, load_contract, parse_contract
 from replaykv.accept.harness import Endpoints, InProcess, run_contract
-from replaykv.accept.pictures import KINDS, draw_picture
 from replaykv.model.checkpoint import build_model, save_pretrained
 from replaykv.model.init import init_weights
 from replaykv.model.presets import get_preset
 from replaykv.model.presets_v41 import v41_tiny_vision
+from replaykv.pictures import KINDS, draw_picture
 from replaykv.tokenizer import ByteTokenizer
 
 CONTRACTS = Path(__file__).resolve().parents[2] / "replaykv" / "accept" / "contracts"

@@ -1,6 +1,6 @@
 """Image–caption pairs generated on the spot (no download) and an image store that counts reads.
 
-A pair is a rendered digit, a simple shape or a short word (:func:`replaykv.accept.pictures.
+A pair is a rendered digit, a simple shape or a short word (:func:`replaykv.pictures.
 draw_picture`) with its caption ("the digit 7", "a red circle", "the word CAT"), drawn from a
 seeded generator, so a seed fixes a batch. Images are kept PNG-encoded in an
 :class:`ImageStore`, the stand-in for the storage a loader reads from: every
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replaykv.accept.pictures import draw_picture
 from replaykv.images import PreparedImage, prepare_image
 from replaykv.model.vision import DeepseekV41VisionConfig
+from replaykv.pictures import draw_picture
 
 BOS, PAD = 256, 257  # the byte tokenizer's <|bos|> and <|eos|> (a caption's padding)
 

@@ -1,6 +1,7 @@
-"""Generated images for the harness's image suffix: a rendered digit, a simple shape, or a short
-word, drawn with PIL from a seeded generator, each with the question it is asked with and the
-answer a model that reads images should give.
+"""Generated images: a rendered digit, a simple shape, or a short word, drawn with PIL from a
+seeded generator, each with the question it is asked with and the answer a model that reads
+images should give. The acceptance harness's image suffix, the contrastive training pairs and
+the planner's loader measurement draw them (no download anywhere).
 
 The same generator state always draws the same pixels (for one Pillow version: its bundled
 font draws the text), so a contract's seed fixes its images, and with them their content digests.
