@@ -45,7 +45,8 @@ from replaykv.model.checkpoint import build_model
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_flash, v41_small_vision
 from replaykv.model.spec import ModelSpec
-from replaykv.model.vision import DeepseekV41VisionConfig
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.model.vision import DeepseekV41VisionConfig, VisionTower
 from replaykv.replay import CacheState, ReplayFlags, plan_prefill
 
 BEGIN, END = "<!-- bench_images:begin -->", "<!-- bench_images:end -->"
@@ -68,9 +69,11 @@ def main() -> None:
     reexec_keeping_freed_memory()
     torch.manual_seed(0)
     config = v41_small_vision()
-    model = init_weights(build_model(config)).eval()
+    model = build_model(config)
+    assert isinstance(model, DeepseekV41ForCausalLM)
+    init_weights(model).eval()
     assert model.model.vision is not None and config.vision_config is not None
-    vision = model.model.vision
+    vision: VisionTower = model.model.vision
     pixels = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)
     image = prepare_image(pixels, config.vision_config)
     cache = FeatureCache(1 << 30, 300.0)
