@@ -62,7 +62,7 @@ from replaykv.train.multimodal.data import ImageStore, make_pairs
 from replaykv.train.multimodal.phases import PhaseTimes, lm_loss, split_tower, three_phase_step
 from replaykv.train.multimodal.run import ContrastiveArgs, build, projections
 from replaykv.train.multimodal.sharded import Placement, ShardedImageLoader, assign_readers, shard_lm_loss
-from replaykv.train.pipeline.run import free_port
+from replaykv.train.spawn import free_port
 
 WORLD = 2  # processes of (a), shards of (b)
 SEED = 0

@@ -225,7 +225,7 @@ def _cp_worker(rank: int, world: int, port: int, out: str, shard_reads: bool) ->
 def test_context_parallel_image_loading_reads_each_image_once(tmp_path: Path, shard_reads: bool) -> None:
     import torch.multiprocessing as mp
 
-    from replaykv.train.pipeline.run import free_port
+    from replaykv.train.spawn import free_port
 
     loss_1, grads_1, reads_1 = _cp_step(0, 1, True)
     assert reads_1 == {0: 1, 1: 1, 2: 1}

@@ -39,6 +39,7 @@ from replaykv.train.multimodal.contrastive import (
 )
 from replaykv.train.multimodal.data import make_pairs
 from replaykv.train.multimodal.phases import VisionTrainer, join_tower, split_tower
+from replaykv.train.spawn import spawn
 
 REPORT = "contrastive.json"
 VISION_DIR = "vision"  # the tower's own checkpoint and optimizer state, and the projections
@@ -106,26 +107,8 @@ def launch(args: ContrastiveArgs) -> dict[str, Any] | None:
     """Run the stage in `args.processes` processes (here when torchrun started us)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), args)
-    import torch.multiprocessing as mp
-
-    from replaykv.train.pipeline.run import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    report = Path(args.out) / REPORT
-    report.unlink(missing_ok=True)
-    try:
-        mp.spawn(_spawned, args=(args,), nprocs=args.processes, join=True)
-    except mp.ProcessRaisedException as e:
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        raise ContrastiveError(f"process {e.error_index}: {lines[-1] if lines else e}") from e
-    return json.loads(report.read_text()) if report.exists() else None
-
-
-def _spawned(rank: int, args: ContrastiveArgs) -> None:
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.processes)
-    worker(rank, args)
+    return spawn(worker, args, args.processes, Path(args.out) / REPORT, ContrastiveError, "process")
 
 
 def worker(rank: int, args: ContrastiveArgs) -> dict[str, Any] | None:

@@ -25,9 +25,7 @@ on the follow-up paths (decoder or bounded replay) are refused by name. Not for:
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -69,6 +67,7 @@ from replaykv.train.setup import (
     resolve_device,
     set_lr,
 )
+from replaykv.train.spawn import spawn
 from replaykv.train.speed import StepSettings
 from replaykv.train.stages import STAGE_DIR, rewarmed_lr
 
@@ -155,12 +154,6 @@ class TracedStage(PipelineStage):
         return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: PipelineArgs) -> dict[str, Any] | None:
     """Run the pipeline: in this process when torchrun started it (RANK / WORLD_SIZE set), else
     in `args.processes` spawned processes. Returns stage 0's report (None on other torchrun ranks)."""
@@ -172,24 +165,7 @@ def launch(args: PipelineArgs) -> dict[str, Any] | None:
                 f"torchrun started {world} processes for {args.stages} pipeline stages x {args.context} shards"
             )
         return worker(int(os.environ["RANK"]), args)
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    report = Path(args.out) / REPORT
-    report.unlink(missing_ok=True)
-    try:
-        mp.spawn(_spawned, args=(args,), nprocs=args.processes, join=True)
-    except mp.ProcessRaisedException as e:
-        # The stage's own error, by its last line ("ValueError: ..."), not the spawner's wrapper.
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        raise PipelineError(f"pipeline stage {e.error_index}: {lines[-1] if lines else e}") from e
-    return json.loads(report.read_text()) if report.exists() else None
-
-
-def _spawned(rank: int, args: PipelineArgs) -> None:
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.processes)
-    worker(rank, args)
+    return spawn(worker, args, args.processes, Path(args.out) / REPORT, PipelineError, "pipeline stage")
 
 
 def _check_recipe(recipe: Recipe, context: int = 1) -> None:
