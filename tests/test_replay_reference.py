@@ -18,6 +18,8 @@ Quantisers off, float32; the project's bounded path must match to 1e-5 on every 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -38,8 +40,16 @@ def model() -> DeepseekV41ForCausalLM:
     return tiny_model(kv_quant=False)
 
 
-def naive_bounded(model: DeepseekV41ForCausalLM, ids: list[int], cut: int, decoder: bool) -> torch.Tensor:
-    """Logits [S - cut, vocab] of the follow-up after a lost snapshot (rows not computed: NaN)."""
+def naive_bounded(
+    model: DeepseekV41ForCausalLM,
+    ids: list[int],
+    cut: int,
+    decoder: bool,
+    spans: Sequence[tuple[int, torch.Tensor]] = (),
+) -> torch.Tensor:
+    """Logits [S - cut, vocab] of the follow-up after a lost snapshot (rows not computed: NaN).
+    `spans`: image spans (first position, span vectors), placed on every row embedded: the
+    earlier request's, the replayed and the new ones."""
     cfg = model.config
     assert cfg.sliding_window == W
     n = len(ids)
@@ -54,7 +64,9 @@ def naive_bounded(model: DeepseekV41ForCausalLM, ids: list[int], cut: int, decod
 
     with torch.no_grad():
         at(0, 0)
-        model.run_layers(model.embed(x[:, :cut]), encoder if decoder else every, model.step(view, cut), view)
+        model.run_layers(
+            model.embed(x[:, :cut], spans, 0), encoder if decoder else every, model.step(view, cut), view
+        )
         gen = torch.Generator().manual_seed(1)
         for layer in view.layers:
             layer.window.copy_(torch.randn(layer.window.shape, generator=gen) * 1e3)
@@ -63,7 +75,9 @@ def naive_bounded(model: DeepseekV41ForCausalLM, ids: list[int], cut: int, decod
         at(s, s)
         selection = Selection()
         step = model.step(view, n - s, write_global=True, global_from=cut - s)
-        state = model.run_layers(model.embed(x[:, s:]), encoder if decoder else every, step, view, selection)
+        state = model.run_layers(
+            model.embed(x[:, s:], spans, s), encoder if decoder else every, step, view, selection
+        )
         out = torch.full((n - cut, cfg.vocab_size), float("nan"))
         if not decoder:
             out[:] = model.head(state.rows(cut - s, n - s))[0]
@@ -104,7 +118,9 @@ class NaiveConversation:
         self.view.positions = torch.tensor([position])
         self.view.window_floor = torch.tensor([floor])
 
-    def _rows(self, ids: list[int], start: int, enc_floor: int, dec_start: int, global_from: int) -> torch.Tensor:
+    def _rows(
+        self, ids: list[int], start: int, enc_floor: int, dec_start: int, global_from: int
+    ) -> torch.Tensor:
         """Encoder over ids[start:], decoder over ids[dec_start:]: logits of the decoder's rows."""
         m, n, x = self.model, len(ids), torch.tensor([ids])
         selection = Selection()

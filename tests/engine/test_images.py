@@ -24,9 +24,9 @@ from replaykv.engine.api import Request, SamplingParams
 from replaykv.engine.scenario import image_spans, score_after_cut
 from replaykv.images import PreparedImage, PromptImage, prepare_image
 from replaykv.model.spec import ModelSpec
-from replaykv.model.step import Selection
 from replaykv.replay import ReplayFlags
 from tests.model.vision_reference import reference_logits_with_images
+from tests.test_replay_reference import naive_bounded
 
 W = 8
 TOL = 1e-4
@@ -121,40 +121,7 @@ def naive(
 ) -> torch.Tensor:
     """Last-row logits of the follow-up after a lost snapshot (§13), span vectors placed on
     every embedded row: the earlier request's [0, cut), the replay [s, cut) and the new rows."""
-    cfg = model.config
-    n, x = len(ids), torch.tensor([ids])
-    every = range(cfg.num_hidden_layers)
-    encoder, dec_layers = range(cfg.decoder_cut + 1), range(cfg.decoder_cut + 1, cfg.num_hidden_layers)
-    view = allocate_view(ModelSpec.from_config(cfg), 1, n, torch.device("cpu"), torch.float32)
-
-    def at(position: int, floor: int) -> None:
-        view.positions = torch.tensor([position])
-        view.window_floor = torch.tensor([floor])
-
-    with torch.no_grad():
-        at(0, 0)
-        model.run_layers(
-            model.embed(x[:, :cut], spans, 0), encoder if decoder else every, model.step(view, cut), view
-        )
-        gen = torch.Generator().manual_seed(1)
-        for layer in view.layers:
-            layer.window.copy_(torch.randn(layer.window.shape, generator=gen) * 1e3)
-        s = max(0, cut - W)
-        at(s, s)
-        selection = Selection()
-        step = model.step(view, n - s, write_global=True, global_from=cut - s)
-        state = model.run_layers(
-            model.embed(x[:, s:], spans, s), encoder if decoder else every, step, view, selection
-        )
-        if not decoder:
-            return model.head(state.rows(n - s - 1, n - s))[0, -1]
-        d = max(0, n - W)
-        at(d, d)
-        step = model.step(view, n - d, write_global=False)
-        state = model.run_layers(
-            state.rows(d - s, n - s), dec_layers, step, view, selection.rows(d - s, n - s)
-        )
-        return model.head(state)[0, -1]
+    return naive_bounded(model, ids, cut, decoder, spans)[-1]
 
 
 def one_shot_last(model: Any, ids: list[int], spans: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
