@@ -310,8 +310,12 @@ def _contrastive(recipe: Recipe, args: argparse.Namespace, given: dict[str, str]
     refused = [flag for dest, flag in given.items() if dest not in CONTRASTIVE_OPTIONS]
     if refused:
         return usage_error(f"{', '.join(refused)} not implemented with --contrastive")
-    if args.device not in ("auto", "cpu"):
-        return usage_error(f"--device {args.device}: the contrastive stage runs on the CPU (gloo) only")
+    if args.device.startswith("cuda") and not torch_cuda():
+        return usage_error(f"--device {args.device}: no CUDA device is available")
+    if args.device not in ("auto", "cpu", "cuda"):
+        return usage_error(
+            f"--device {args.device}: the contrastive stage takes auto, cpu or cuda (one GPU per process)"
+        )
     preset = f"{recipe.preset}-vision"
     if preset not in PRESETS_V41:
         vision = sorted(name for name in PRESETS_V41 if name.endswith("-vision"))
@@ -343,6 +347,7 @@ def _contrastive(recipe: Recipe, args: argparse.Namespace, given: dict[str, str]
         overlap=not args.blocking_gathers,
         init=args.init,
         threads=args.threads,
+        device=args.device if args.device != "auto" else ("cuda" if torch_cuda() else "cpu"),
     )
     try:
         report = launch(run)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import replaykv
 from replaykv.model.checkpoint import load_model
@@ -59,9 +60,13 @@ def test_contrastive_usage_errors(
     base = ["--recipe", "tiny", "--out", str(tmp_path)]
     cases = [
         (["--processes", "2", "--blocking-gathers"], "error: --processes, --blocking-gathers apply only with --contrastive"),
-        (["--contrastive", "--device", "cuda"], "error: --device cuda: the contrastive stage runs on the CPU (gloo) only"),
+        (["--contrastive", "--device", "mps"], "error: --device mps: the contrastive stage takes auto, cpu or cuda (one GPU per process)"),
         (["--contrastive", "--init", str(tmp_path / "none")], f"error: --init {tmp_path / 'none'}: not a model directory (no config.json)"),
     ]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append(
+            (["--contrastive", "--device", "cuda"], "error: --device cuda: no CUDA device is available")
+        )
     for extra, message in cases:
         assert cli.main([*base, *extra]) == 2
         assert capsys.readouterr().err.strip() == message

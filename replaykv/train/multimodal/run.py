@@ -1,6 +1,7 @@
 """`replaykv train --contrastive`: the image–caption contrastive stage in P processes.
 
-Each process (gloo on CPU, NCCL on GPUs; spawned here or started by torchrun) holds the same
+Each process (gloo on CPU; NCCL with one GPU each under ``--device cuda``, a path not run on
+the machines this is developed on; spawned here or started by torchrun) holds the same
 model: the language model with `text_proj`, and beside it the tower with `image_proj` (the
 tower outside the LM's parameter tree, with its own optimizer). Every step draws a global batch
 of generated pairs from the step's seed, takes its slice, runs :func:`.contrastive_step`
@@ -65,6 +66,7 @@ class ContrastiveArgs:
     threads: int | None = None
     dump_gradients: bool = False
     dim: int = 64
+    device: str = "cpu"  # cuda: one GPU per process (LOCAL_RANK or the rank), NCCL
 
 
 def projections(model: DeepseekV41ForCausalLM, dim: int, seed: int) -> tuple[nn.Linear, nn.Linear]:
@@ -113,17 +115,21 @@ def launch(args: ContrastiveArgs) -> dict[str, Any] | None:
 
 def worker(rank: int, args: ContrastiveArgs) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads or 1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.processes)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=args.processes)
     try:
-        return _train(rank, args)
+        return _train(rank, args, dev)
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, args: ContrastiveArgs) -> dict[str, Any] | None:
-    model = build(args)
+def _train(rank: int, args: ContrastiveArgs, dev: torch.device) -> dict[str, Any] | None:
+    model = build(args).to(dev)
     cfg = ContrastiveConfig(dim=args.dim)
-    text_proj, image_proj = projections(model, args.dim, args.seed)
+    text_proj, image_proj = (p.to(dev) for p in projections(model, args.dim, args.seed))
     lm, tower = split_tower(model)
     vc = model.config.vision_config
     assert vc is not None
@@ -137,13 +143,14 @@ def _train(rank: int, args: ContrastiveArgs) -> dict[str, Any] | None:
         rows = slice(rank * n, (rank + 1) * n)
         times = GatherTimes()
         loss = contrastive_step(
-            lm, text_proj, tower, image_proj, batch.ids[rows], batch.mask[rows], batch.images[rows], cfg,
+            lm, text_proj, tower, image_proj, batch.ids[rows].to(dev), batch.mask[rows].to(dev),
+            batch.images[rows], cfg,
             overlap=args.overlap, times=times,
         )  # fmt: skip
         sum_gradients(lm, text_proj, tower, image_proj)
         if step == 0 and args.dump_gradients and rank == 0:
             grads = {
-                f"{prefix}.{k}": p.grad.detach().clone()
+                f"{prefix}.{k}": p.grad.detach().cpu().clone()
                 for prefix, module in (
                     ("lm", lm),
                     ("text_proj", text_proj),
