@@ -47,6 +47,7 @@ from replaykv.model.presets_v41 import v41_flash, v41_small_vision
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.model.vision import DeepseekV41VisionConfig, VisionTower
+from replaykv.plan.loading import tower_flops
 from replaykv.replay import CacheState, ReplayFlags, plan_prefill
 
 BEGIN, END = "<!-- bench_images:begin -->", "<!-- bench_images:end -->"
@@ -122,12 +123,7 @@ def main() -> None:
     gh, gw, ch, cw = plan_resize(4096, 4096, released)
     span = image_span_length(gh, gw)
     patches = (ch // released.patch_size) * (cw // released.patch_size)
-    tower_params = released.num_hidden_layers * (
-        4 * released.hidden_size**2 + 2 * released.hidden_size * released.intermediate_size
-    )
-    tower_flops = (
-        2 * tower_params * patches + 4 * released.num_hidden_layers * patches**2 * released.hidden_size
-    )
+    forward = tower_flops(released, (ch, cw), flash.hidden_size, passes=1)
     lines = [
         BEGIN,
         f"`python bench/bench_images.py --repeats {args.repeats}` on `v41-small-vision` (random weights, "
@@ -140,8 +136,7 @@ def main() -> None:
         f"Span vectors of that image: {feature_bytes / 1024:.0f} KiB in bf16 ({image.span_length} × "
         f"{config.hidden_size} × 2 B). At DeepSeek-V4.1-Flash's released shapes (computed): a "
         f"{gh} × {gw} image is {span} positions, {span * flash.hidden_size * 2 / 2**20:.1f} MiB of span vectors; "
-        f"its tower run is {patches} patches, about {tower_flops / 1e12:.1f} TFLOP "
-        f"({tower_params / 1e6:.0f}M tower parameters), against about "
+        f"its tower run is {patches} patches, about {forward / 1e12:.1f} TFLOP, against about "
         f"{2 * active * w / 1e12:.1f} TFLOP for a {w}-row replay ({active / 1e9:.1f}B active matmul "
         "parameters of the text backbone).",
         END,

@@ -119,7 +119,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 def _score_images(model: Any, ids: list[int], given: list[str]) -> list[Any]:
     """`--image FILE@START` values -> PromptImages over `ids` (the span's positions must carry the
     model's image token id)."""
-    from replaykv.images import ImageError, PromptImage, prepare_image
+    from replaykv.images import ImageError, PromptImage, check_placement, prepare_image
 
     if not given:
         return []
@@ -137,14 +137,11 @@ def _score_images(model: Any, ids: list[int], given: list[str]) -> list[Any]:
             raise UsageError(f"--image {path}: cannot read it ({e.strerror or e})") from e
         except ImageError as e:
             raise UsageError(f"--image {path}: {e}") from e
-        im = PromptImage(int(start_text), image)
-        token = model.config.image_token_id
-        if im.end > len(ids) or any(t != token for t in ids[im.start : im.end]):
-            raise UsageError(
-                f"--image {value}: its span [{im.start}, {im.end}) ({image.grid[0]} x {image.grid[1]} grid) must "
-                f"lie in the input and carry the image token id {token}"
-            )
-        images.append(im)
+        images.append(PromptImage(int(start_text), image))
+    try:
+        check_placement(ids, images, model.config.image_token_id)
+    except ImageError as e:
+        raise UsageError(f"--image: {e}") from e
     return images
 
 

@@ -29,6 +29,7 @@ import hashlib
 import io
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "ImageLimits",
     "PreparedImage",
     "PromptImage",
+    "check_placement",
     "decode_data_url",
     "image_span_length",
     "plan_resize",
@@ -164,6 +166,23 @@ class PromptImage:
     def key_part(self) -> tuple[int, int, bytes]:
         """(start, length, digest): what prefix keys hash for this image."""
         return self.start, self.image.span_length, self.image.digest
+
+
+def check_placement(ids: Sequence[int], images: Sequence[PromptImage], image_token_id: int) -> None:
+    """Raise :class:`ImageError` unless every image's span lies inside `ids`, overlaps no other,
+    and covers only positions carrying `image_token_id` (the message names the image)."""
+    end = 0
+    for i, im in enumerate(sorted(images, key=lambda im: im.start)):
+        if im.start < end or im.start < 0 or im.end > len(ids):
+            raise ImageError(
+                f"image {i}: its span [{im.start}, {im.end}) overlaps another or leaves the prompt of "
+                f"{len(ids)} tokens"
+            )
+        if any(t != image_token_id for t in ids[im.start : im.end]):
+            raise ImageError(
+                f"image {i}: positions [{im.start}, {im.end}) must all carry the image token id {image_token_id}"
+            )
+        end = im.end
 
 
 def _digest(canvas: np.ndarray) -> bytes:

@@ -76,6 +76,7 @@ from replaykv.engine.metrics import EngineCounters, engine_families
 from replaykv.engine.runner import _gather, _Piece
 from replaykv.engine.sampling import OutputStream, Sampler, check_sampling, token_logprob
 from replaykv.engine.scenario import drop_snapshot
+from replaykv.images import ImageError, check_placement
 from replaykv.model.cache_view import CacheView, CompressorCarry, LayerCacheView
 from replaykv.model.spec import ModelSpec
 from replaykv.model.step import Residual, Selection
@@ -478,19 +479,10 @@ class Engine(EngineAPI):
             return
         if self.vision is None:
             raise InvalidRequest(f"the model {self.model_name!r} has no vision tower; it reads text only")
-        prompt, end = request.prompt_ids, 0
-        for i, im in enumerate(sorted(request.images, key=lambda im: im.start)):
-            if im.start < end or im.end > len(prompt) or im.start < 0:
-                raise InvalidRequest(
-                    f"image {i}: its span [{im.start}, {im.end}) overlaps another or leaves the prompt "
-                    f"of {len(prompt)} tokens"
-                )
-            if any(t != self.image_token_id for t in prompt[im.start : im.end]):
-                raise InvalidRequest(
-                    f"image {i}: positions [{im.start}, {im.end}) must all carry the image token id "
-                    f"{self.image_token_id}"
-                )
-            end = im.end
+        try:
+            check_placement(request.prompt_ids, request.images, self.image_token_id)
+        except ImageError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
     def _spans(self, r: _Active, t0: int, t1: int) -> list[tuple[int, torch.Tensor]]:
         """Span vectors of the request's images that rows [t0, t1) overlap: from the feature

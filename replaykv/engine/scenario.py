@@ -19,7 +19,7 @@ import torch
 
 from replaykv.cache.views import allocate_view
 from replaykv.engine.runner import execute
-from replaykv.images import PromptImage
+from replaykv.images import PromptImage, check_placement
 from replaykv.model.cache_view import CacheView
 from replaykv.model.spec import ModelSpec
 from replaykv.replay import CacheState, PrefillPlan, ReplayFlags, plan_prefill
@@ -73,16 +73,7 @@ def score_after_cut(
     if not 0 <= cut < s_len:
         raise ValueError(f"--cut must be in [0, {s_len}) for a {s_len}-token input, got {cut}")
     dtype = model.model.embed_tokens.weight.dtype
-    for im in images:
-        if (
-            im.start < 0
-            or im.end > s_len
-            or any(t != model.config.image_token_id for t in ids[im.start : im.end])
-        ):
-            raise ValueError(
-                f"an image's span [{im.start}, {im.end}) must lie in the input and carry the image token id "
-                f"{model.config.image_token_id}"
-            )
+    check_placement(ids, images, model.config.image_token_id)  # an ImageError is a ValueError
     spans = image_spans(model, images)
     view = allocate_view(spec, 1, s_len, device, dtype)
     if cut > 0:

@@ -486,17 +486,19 @@ def plan(config: AnyConfig, workload: Workload, *, model_name: str | None = None
     if w.multimodal is not None:
         mm = w.multimodal
         derived = mm.compute_per_token is None
+        from replaykv.plan.loading import Hardware, loading_condition
+
         c = 6.0 * parameter_count(config).active_matmul if derived else float(mm.compute_per_token or 0)
-        threshold = mm.io_bandwidth / mm.gpu_flops * c
+        verdict = loading_condition(mm.raw_bytes_per_token, c, Hardware(mm.io_bandwidth, mm.gpu_flops))
         multimodal = Multimodal(
             raw_bytes_per_token=mm.raw_bytes_per_token,
             compute_per_token=c,
             compute_derived=derived,
             io_bandwidth=mm.io_bandwidth,
             gpu_flops=mm.gpu_flops,
-            threshold_bytes_per_token=threshold,
-            loading_is_bottleneck=not mm.raw_bytes_per_token < threshold,
-            margin=threshold / mm.raw_bytes_per_token,
+            threshold_bytes_per_token=verdict.threshold_bytes_per_token,
+            loading_is_bottleneck=not verdict.holds,
+            margin=verdict.margin,
         )
 
     return Plan(
