@@ -74,7 +74,9 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir / 'redis.log'}")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}; see {self.workdir / 'redis.log'}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
@@ -125,16 +127,39 @@ class RedisClusterNodes:
         return ",".join(f"redis://{n.address}" for n in self.nodes)
 
     def _node_args(self) -> list[str]:
-        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"]
+        args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+        ]
         return args + (["--enable-debug-command", "local"] if self.debug else [])
 
     def start(self, create: bool = True) -> None:
         """Start the six nodes, create the cluster and wait until it is healthy (``create=False``:
         the nodes run, each knowing only itself and serving no slot, until :meth:`create`)."""
         for node in self.nodes:
-            node.start(*self._node_args())
+            self._start_node(node)
         if create:
             self.create()
+
+    def _start_node(self, node: RedisServer, attempts: int = 5) -> None:
+        """Start a node that has not joined a cluster yet; when another process took its port or
+        its bus port since it was chosen (both are picked free, then bound by the child), pick
+        another pair and start again."""
+        for attempt in range(attempts):
+            try:
+                node.start(*self._node_args())
+                return
+            except RuntimeError:
+                log = (node.workdir / "redis.log").read_text(errors="replace")
+                if "Address already in use" not in log or attempt == attempts - 1:
+                    raise
+                (node.workdir / "redis.log").rename(node.workdir / f"redis.{attempt}.log")
+                (node.workdir / "nodes.conf").unlink(missing_ok=True)
+                node.port = free_cluster_port()
 
     def create(self) -> None:
         """``redis-cli --cluster create`` over the six running nodes; wait until healthy."""
@@ -189,7 +214,11 @@ class RedisClusterNodes:
                 for node in self.alive():
                     state = node.client().execute_command("CLUSTER INFO")["cluster_state"]
                     table = self._nodes(node)
-                    masters = [r for r in table.values() if "master" in r["flags"] and "fail" not in r["flags"] and r["slots"]]
+                    masters = [
+                        r
+                        for r in table.values()
+                        if "master" in r["flags"] and "fail" not in r["flags"] and r["slots"]
+                    ]
                     ok &= state == "ok" and len(masters) == 3
                     ok &= all("fail" in row["flags"] for address, row in table.items() if address in dead)
                 if ok:
