@@ -244,7 +244,7 @@ class MixtureSampler:
         rng = np.random.default_rng([self.recipe.seed, _SPLIT_CODE[self.corpus.split], step])
         length, w, a = phase.seq_len, self.window, self.alignment
         p_max = length - self.recipe.answer_budget
-        p_min = min(p_max, max(w + 1, length // 2))
+        p_min = min(p_max, max(w + 1, int(length * phase.prompt_from)))
         prompt_len = int(rng.integers(p_min, p_max + 1))
         cut = 0
         if phase.paths.bounded_prob and rng.uniform() < phase.paths.bounded_prob and prompt_len > 2 * a:

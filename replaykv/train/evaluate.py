@@ -235,7 +235,7 @@ def render_card(
     for p in recipe.phases:
         mix = ", ".join(f"{k} {v:g}" for k, v in p.mixture.weights.items() if v)
         lines.append(
-            f"- Phase `{p.name}`: {p.steps} steps × {p.batch} × {p.seq_len} tokens; mixture {mix}; "
+            f"- Phase `{p.name}`: {p.steps} steps of {p.describe()} tokens; mixture {mix}; "
             f"paths: full {p.paths.full:g}, decoder replay {p.paths.decoder_replay:g}, "
             f"bounded replay probability {p.paths.bounded_prob:g}; answer tokens weigh {p.answer_weight:g}."
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,12 @@ class Phase:
     summation order; None: the whole batch at once). `answer_weight`: the loss weight of a task's
     answer (and train-span) tokens relative to a text token; a batch of 8 × 1,024 holds about
     5,000 text targets and 100 answer tokens, so at 1 the tasks are about 2% of the loss.
-    `copy_weight`: the loss weight of a copy row's repeated bytes (after each repeat's first)."""
+    `copy_weight`: the loss weight of a copy row's repeated bytes (after each repeat's first).
+    `cycle`: row shapes (seq_len, batch, micro_batch) taken in turn, one per step (step k of the
+    phase uses entry k mod len(cycle)), so that one phase keeps short rows beside long ones and a
+    model trained on long rows still sees many short prompts; empty: every step is seq_len ×
+    batch. `prompt_from`: the shortest prompt as a share of the row (at least W + 1 tokens; the
+    longest leaves the answer budget)."""
 
     name: str
     steps: int
@@ -97,14 +102,40 @@ class Phase:
     micro_batch: int | None = None
     answer_weight: float = 1.0
     copy_weight: float = 1.0
+    cycle: tuple[tuple[int, int, int | None], ...] = ()
+    prompt_from: float = 0.5
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
             raise ValueError(f"phase {self.name}: steps and batch must be positive")
+        if any(n < 1 or b < 1 or (m is not None and m < 1) for n, b, m in self.cycle):
+            raise ValueError(f"phase {self.name}: every shape of the cycle needs positive sizes")
+        if not 0 < self.prompt_from <= 1:
+            raise ValueError(f"phase {self.name}: prompt_from must be in (0, 1]")
         if not self.answer_weight > 0:
             raise ValueError(f"phase {self.name}: answer_weight must be positive")
         if not self.copy_weight > 0:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
+
+    def at(self, k: int) -> Phase:
+        """The shape of the phase's step k (0-based within the phase): itself without a cycle,
+        else the cycle's entry k mod its length, as a phase without a cycle."""
+        if not self.cycle:
+            return self
+        seq_len, batch, micro = self.cycle[k % len(self.cycle)]
+        return replace(self, seq_len=seq_len, batch=batch, micro_batch=micro, cycle=())
+
+    @property
+    def tokens(self) -> int:
+        """Tokens over all the phase's steps."""
+        if not self.cycle:
+            return self.steps * self.batch * self.seq_len
+        return sum(self.at(k).batch * self.at(k).seq_len for k in range(self.steps))
+
+    def describe(self) -> str:
+        """The row shapes in words: '8 × 512' or '8 × 1,024 / 4 × 2,048 in turn'."""
+        shapes = [(n, b) for n, b, _ in self.cycle] or [(self.seq_len, self.batch)]
+        return " / ".join(f"{b} × {n:,}" for n, b in shapes) + (" in turn" if self.cycle else "")
 
 
 @dataclass(frozen=True)
@@ -230,15 +261,17 @@ class Recipe:
 
     @property
     def total_tokens(self) -> int:
-        return sum(p.steps * p.batch * p.seq_len for p in self.phases)
+        return sum(p.tokens for p in self.phases)
 
     def phase_at(self, step: int) -> Phase:
-        """The phase that optimiser step `step` (0-based) belongs to."""
+        """The phase that optimiser step `step` (0-based) belongs to, with that step's row shape
+        (see `Phase.cycle`)."""
         for p in self.phases:
             if step < p.steps:
-                return p
+                return p.at(step)
             step -= p.steps
-        return self.phases[-1]
+        last = self.phases[-1]
+        return last.at(last.steps - 1)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to `lr`, then cosine to `min_lr` at the last step."""
@@ -329,6 +362,8 @@ def _mixed(
     batch: int,
     micro_batch: int | None = None,
     paths: Paths | None = None,
+    cycle: tuple[tuple[int, int, int | None], ...] = (),
+    prompt_from: float = 0.5,
 ) -> Phase:
     """A phase of the `small` mixture with the task-answer and copy weights."""
     return Phase(
@@ -338,6 +373,8 @@ def _mixed(
         batch=batch,
         micro_batch=micro_batch,
         paths=paths or Paths(),
+        cycle=cycle,
+        prompt_from=prompt_from,
         mixture=SMALL_MIXTURE,
         answer_weight=TASK_ANSWER_WEIGHT,
         copy_weight=COPY_WEIGHT,
@@ -348,6 +385,10 @@ def _mixed(
 # times: 8 × 256 about 2.5 s, 8 × 512 about 4.5 s, 8 × 1,024 about 10.5 s, 4 × 2,048 and
 # 2 × 4,096 about 11-12 s; docs/training.md has the times each stage took).
 SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550)
+# The last phase's rows, one shape per step in turn (8,192 tokens each): after 4K rows alone
+# (2 a step, so 0.7 pass-key cases a step against 2.8 at 8 × 1,024) held-out keys beyond the
+# window fell at 1,024 and 2,048 tokens between steps 3500 and 4250 (docs/training.md).
+LENGTHS_CYCLE: tuple[tuple[int, int, int | None], ...] = ((1024, 8, 4), (2048, 4, 2), (4096, 2, 1))
 
 
 def small() -> Recipe:
@@ -362,7 +403,8 @@ def small() -> Recipe:
     3      500 + 300 mixture                                   8 × 512, 8 × 1,024
     4      150 + 300 mixture                                   8 × 1,024, 4 × 2,048
     5      150 + 300 mixture                                   4 × 2,048, 2 × 4,096
-    6-8    450, 300 and 300 mixture                            2 × 4,096
+    6-8    450, 300 and 300 mixture                            8 × 1,024 / 4 × 2,048 /
+                                                               2 × 4,096 in turn
     =====  ==================================================  ====================
 
     Rung 1 (pass keys at every depth of 1K and 2K contexts) is within reach after stage 4, rung 2
@@ -390,7 +432,15 @@ def small() -> Recipe:
             _mixed("base", steps=1900, seq_len=512, batch=8),
             _mixed("1k", steps=450, seq_len=1024, batch=8, micro_batch=4),
             _mixed("2k", steps=450, seq_len=2048, batch=4, micro_batch=2),
-            _mixed("4k", steps=1350, seq_len=4096, batch=2, micro_batch=1),
+            _mixed("4k", steps=300, seq_len=4096, batch=2, micro_batch=1),
+            _mixed(
+                "lengths",
+                steps=1050,
+                seq_len=4096,
+                batch=2,
+                cycle=LENGTHS_CYCLE,
+                prompt_from=0.25,
+            ),
         ),
         lr=2e-3,
         min_lr=2e-4,

@@ -89,5 +89,5 @@ def median_step_seconds(out: Path, recipe: Recipe) -> dict[str, float]:
     for record in last.values():
         phase = phases.get(record.get("phase", ""))
         if phase is not None:
-            times.setdefault(phase.name, []).append(phase.batch * phase.seq_len / record["tokens_per_s"])
+            times.setdefault(phase.name, []).append(phase.tokens / phase.steps / record["tokens_per_s"])
     return {name: statistics.median(ts) for name, ts in times.items()}

@@ -182,6 +182,43 @@ def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: igno
         dataclasses.replace(recipe.phases[0], answer_weight=0.0)
 
 
+def test_a_cycled_phase_takes_its_row_shapes_in_turn(corpus) -> None:  # type: ignore[no-untyped-def]
+    cycle = ((128, 4, 2), (256, 2, None))
+    phase = Phase("lengths", steps=5, seq_len=256, batch=2, cycle=cycle, prompt_from=0.25)
+    recipe = dataclasses.replace(tiny(), phases=(tiny().phases[0], phase), stages=())
+    first = recipe.phases[0].steps
+    sampler = MixtureSampler(corpus["train"], recipe, window=32)
+    shapes = [tuple(sampler.batch(first + k).ids.shape) for k in range(5)]
+    assert shapes == [(4, 128), (2, 256), (4, 128), (2, 256), (4, 128)]
+    assert [recipe.phase_at(first + k).micro_batch for k in range(3)] == [2, None, 2]
+    assert recipe.phase_at(first + 1).cycle == () and recipe.phase_at(first + 9).seq_len == 128  # past the end: the last
+    assert phase.tokens == 3 * 4 * 128 + 2 * 2 * 256 and phase.describe() == "4 × 128 / 2 × 256 in turn"
+    assert recipe.total_tokens == recipe.phases[0].tokens + phase.tokens
+    # prompt_from lowers the shortest prompt: 256-token rows get prompts from 64 tokens on
+    longer = dataclasses.replace(phase, prompt_from=0.5, steps=400)
+    wide = dataclasses.replace(phase, steps=400)
+    lows = {
+        name: min(
+            MixtureSampler(corpus["train"], dataclasses.replace(recipe, phases=(p,)), window=32).batch(k).prompt_len
+            for k in range(1, 400, 2)
+        )
+        for name, p in (("half", longer), ("quarter", wide))
+    }
+    assert lows["half"] >= 128 and 64 <= lows["quarter"] < 128
+    with pytest.raises(ValueError, match="prompt_from"):
+        dataclasses.replace(phase, prompt_from=0.0)
+    with pytest.raises(ValueError, match="cycle"):
+        dataclasses.replace(phase, cycle=((128, 0, None),))
+
+
+def test_small_keeps_short_rows_beside_long_ones_in_its_last_phase() -> None:
+    recipe = small()
+    last = recipe.phases[-1]
+    lengths = {recipe.phase_at(recipe.total_steps - 1 - k).seq_len for k in range(3)}
+    assert lengths == {1024, 2048, 4096} and last.prompt_from < 0.5
+    assert {recipe.phase_at(s).batch * recipe.phase_at(s).seq_len for s in range(3500, 3510)} == {8192}
+
+
 def _check_answer(sample, prompt: str) -> None:  # type: ignore[no-untyped-def]
     """Recompute the answer from the prompt text alone."""
     if sample.task == "passkey":
