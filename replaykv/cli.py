@@ -320,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _accept(a.rest))
 
+    sp = sub.add_parser(
+        "fidelity", help="what replay costs in answers (see `replaykv fidelity --help`)", add_help=False
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=lambda a: _fidelity(a.rest))
+
     sp = sub.add_parser("train", help="train the small model (see `replaykv train --help`)", add_help=False)
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(func=lambda a: _train(a.rest))
@@ -375,6 +381,12 @@ def _accept(rest: list[str]) -> int:
     return int(accept_main(rest))
 
 
+def _fidelity(rest: list[str]) -> int:
+    from replaykv.fidelity.cli import main as fidelity_main
+
+    return int(fidelity_main(rest))
+
+
 def _train(rest: list[str]) -> int:
     from replaykv.train.cli import main as train_main
 
@@ -383,6 +395,7 @@ def _train(rest: list[str]) -> int:
 
 _PASSTHROUGH = {
     "plan": _plan, "store": _store, "serve": _serve, "route": _route, "train": _train, "accept": _accept,
+    "fidelity": _fidelity,
 }  # fmt: skip
 
 

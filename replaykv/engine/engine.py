@@ -75,7 +75,7 @@ from replaykv.engine.config import EngineConfig
 from replaykv.engine.metrics import EngineCounters, engine_families
 from replaykv.engine.runner import _gather, _Piece
 from replaykv.engine.sampling import OutputStream, Sampler, check_sampling, token_logprob
-from replaykv.engine.scenario import drop_snapshot
+from replaykv.engine.scenario import inject_fault
 from replaykv.images import ImageError, check_placement
 from replaykv.model.cache_view import CacheView, CompressorCarry, LayerCacheView
 from replaykv.model.spec import ModelSpec
@@ -707,17 +707,7 @@ class Engine(EngineAPI):
 
     def _inject_fault(self, plan: PrefillPlan, view: CacheView) -> PrefillPlan:
         """The configured deliberate fault (EngineConfig.fault), applied to one request's plan."""
-        if self.config.fault == "window_untruncated" and plan.path == "bounded":
-            drop_snapshot(view, seed=len(plan.segments))
-            return dataclasses.replace(
-                plan, segments=tuple(dataclasses.replace(g, window_floor=0) for g in plan.segments)
-            )
-        if self.config.fault == "drop_global_kv" and plan.use_global:
-            for layer in view.layers:
-                for t in (layer.entries, layer.index_keys):
-                    if t is not None:
-                        t.zero_()
-        return plan
+        return inject_fault(self.config.fault, plan, view)
 
     # ---------------------------------------------------------------- prefill
     def _run_prefill(self) -> None:

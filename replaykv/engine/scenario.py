@@ -12,6 +12,7 @@ Not for: serving (the engine does the same through the cache manager).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,15 +58,35 @@ def image_spans(model: Any, images: Sequence[PromptImage]) -> list[tuple[int, to
         return [(im.start, vision.span(im.image)) for im in images]
 
 
-def score_after_cut(
+def inject_fault(fault: str | None, plan: PrefillPlan, view: CacheView) -> PrefillPlan:
+    """A deliberate fault (replay.FAULTS, None: none) applied to one request's plan and view, so
+    that an acceptance contract or a fidelity study can be shown to catch a wrong replay:
+    "window_untruncated" lets bounded replay read window keys below the replay start (junk, as
+    the snapshot is missing), "drop_global_kv" zeroes the cached global KV a hit loaded."""
+    if fault == "window_untruncated" and plan.path == "bounded":
+        drop_snapshot(view, seed=len(plan.segments))
+        return dataclasses.replace(plan, segments=tuple(dataclasses.replace(g, window_floor=0) for g in plan.segments))
+    if fault == "drop_global_kv" and plan.use_global:
+        for layer in view.layers:
+            for t in (layer.entries, layer.index_keys):
+                if t is not None:
+                    t.zero_()
+    return plan
+
+
+def follow_up(
     model: Any,
     ids: list[int],
     cut: int,
     flags: ReplayFlags,
     keep_snapshot: bool,
     images: Sequence[PromptImage] = (),
-) -> tuple[torch.Tensor, PrefillPlan]:
-    """Logits [S - cut, vocab] of the follow-up request and the plan that produced them."""
+    capacity: int = 0,
+    fault: str | None = None,
+) -> tuple[torch.Tensor, PrefillPlan, CacheView]:
+    """Run the follow-up request `ids` after an earlier request cached [0, cut): the logits
+    [S - cut, vocab] (NaN on rows the path does not compute), the plan, and the view left at
+    position S with room for `capacity` more tokens (to decode on)."""
     spec = ModelSpec.from_config(model.config)
     device = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
@@ -75,16 +96,29 @@ def score_after_cut(
     dtype = model.model.embed_tokens.weight.dtype
     check_placement(ids, images, model.config.image_token_id)  # an ImageError is a ValueError
     spans = image_spans(model, images)
-    view = allocate_view(spec, 1, s_len, device, dtype)
+    view = allocate_view(spec, 1, s_len + capacity, device, dtype)
     if cut > 0:
         prefill_as_request(model, x[:, :cut], view, flags, spans)
     if not keep_snapshot:
         drop_snapshot(view)
     state = CacheState(tokens=s_len, global_hit=cut, snapshot_at=(cut,) if keep_snapshot and cut else ())
-    plan = plan_prefill(state, spec, flags)
+    plan = inject_fault(fault, plan_prefill(state, spec, flags), view)
     logits = execute(model, plan, x, view, spans)[0].float()
     out = torch.full((s_len - cut, logits.shape[-1]), float("nan"))
     r0, r1 = plan.logits_rows
     lo = max(r0, cut)
     out[lo - cut : r1 - cut] = logits[lo - r0 :].cpu()
-    return out, plan
+    return out, plan, view
+
+
+def score_after_cut(
+    model: Any,
+    ids: list[int],
+    cut: int,
+    flags: ReplayFlags,
+    keep_snapshot: bool,
+    images: Sequence[PromptImage] = (),
+) -> tuple[torch.Tensor, PrefillPlan]:
+    """Logits [S - cut, vocab] of the follow-up request and the plan that produced them."""
+    logits, plan, _ = follow_up(model, ids, cut, flags, keep_snapshot, images)
+    return logits, plan
