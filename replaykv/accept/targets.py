@@ -150,7 +150,7 @@ class InProcessTarget(Target):
         c = self.config
         return {
             "mode": "in-process",
-            "model": self.engine.model_name,
+            **self.engine.model_identity,
             "encoder_replay": c.enable_encoder_swa_bounded_replay,
             "decoder_replay": c.enable_decoder_swa_bounded_replay,
             "swa_miss_strategy": c.swa_miss_strategy,
@@ -182,9 +182,16 @@ class EndpointTarget(Target):
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.timeout_s = timeout_s
         try:
-            self.model = model or self.client.models.list().data[0].id
+            served = self.client.models.list().data
         except Exception as e:
             raise TargetError(f"{name}: cannot list models at {base}: {e}") from e
+        if not served:
+            raise TargetError(f"{name}: {base}/models lists no model")
+        self.model = model or served[0].id
+        card = next((m for m in served if m.id == self.model), served[0])
+        extra = getattr(card, "model_extra", None) or {}
+        # what a replaykv server says its weights and config are (other engines: absent)
+        self.identity = {k: extra[k] for k in ("weights_sha256", "config_digest") if k in extra}
 
     def _admin(self, method: str, path: str) -> dict[str, Any]:
         req = urllib.request.Request(self.root + path, method=method, headers=self.headers)
@@ -267,7 +274,7 @@ class EndpointTarget(Target):
         return self._admin("GET", "/admin/cache_stats")
 
     def describe(self) -> dict[str, Any]:
-        return {"mode": "endpoint", "url": self.url, "model": self.model}
+        return {"mode": "endpoint", "url": self.url, "model": self.model, **self.identity}
 
     def close(self) -> None:
         self.client.close()

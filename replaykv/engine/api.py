@@ -186,6 +186,12 @@ class EngineAPI(abc.ABC):
     @abc.abstractmethod
     def max_context(self) -> int: ...
 
+    @property
+    def model_identity(self) -> dict[str, str]:
+        """What a report names the served model by (an engine that knows more adds
+        `weights_sha256` and `config_digest`)."""
+        return {"model": self.model_name}
+
 
 class RequestHandle(abc.ABC):
     """A submitted request: stream its deltas, wait for it, or cancel it."""

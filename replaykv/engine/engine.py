@@ -382,7 +382,8 @@ class Engine(EngineAPI):
             )
         except ValueError as exc:
             raise ValueError(f"chunk_size: {exc}") from exc
-        namespace = layout.namespace(self.model.config.digest(), _weights_digest(self.model))
+        self.weights_digest = _weights_digest(self.model)
+        namespace = layout.namespace(self.model.config.digest(), self.weights_digest)
         device_pool = DevicePool(layout, cfg.device_pool_bytes) if cfg.device_pool_bytes > 0 else None
         swa_pool = None
         if cfg.swa_pool == "memory":
@@ -418,6 +419,16 @@ class Engine(EngineAPI):
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    @property
+    def model_identity(self) -> dict[str, str]:
+        """What a report names the served model by: its name, the sha256 of its weights (names,
+        dtypes, shapes and bytes, as they sit in memory) and its config's digest."""
+        return {
+            "model": self._model_name,
+            "weights_sha256": self.weights_digest,
+            "config_digest": str(self.model.config.digest()),
+        }
 
     @property
     def max_context(self) -> int:

@@ -230,6 +230,7 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
             "created": 0,
             "owned_by": "replaykv",
             "max_model_len": engine.max_context,
+            **{k: v for k, v in engine.model_identity.items() if k != "model"},
         }
 
     @app.get("/v1/models")

@@ -102,6 +102,10 @@ def test_honest_candidate_passes_and_the_report_is_complete(
     for name in ("report.md", "report.html", "accuracy_vs_offset.png", "kl_vs_offset.png", "latency.png"):
         assert (tmp_path / "r" / name).stat().st_size > 0
     assert rep["contract_digest"] in (tmp_path / "r" / "report.md").read_text()
+    for arm in ("baseline", "candidate"):  # the served model named by weights and config
+        ident = rep["arms"][arm]
+        assert len(ident["weights_sha256"]) == 64 and ident["config_digest"]
+        assert ident["weights_sha256"] in (tmp_path / "r" / "report.md").read_text()
     # a threshold changed after the run is visible
     assert accept_main(["--verify-report", str(tmp_path / "r" / "report.json"), "--contract", str(path)]) == 0
     changed = json.loads(json.dumps(REPLAY))
@@ -166,5 +170,8 @@ def test_endpoint_mode_gives_the_in_process_verdicts(
         (v["name"], v["passed"]) for v in local["criteria"]
     ]
     assert local["failing"] == ["miss-exact"] and code == 1
+    for arm in ("baseline", "candidate"):  # a replaykv endpoint names the same weights and config
+        assert remote["arms"][arm]["weights_sha256"] == local["arms"][arm]["weights_sha256"]
+        assert remote["arms"][arm]["config_digest"] == local["arms"][arm]["config_digest"]
     for a, b in zip(local["criteria"], remote["criteria"], strict=True):
         assert a["value"] == pytest.approx(b["value"], rel=1e-3, abs=1e-6), a["name"]
