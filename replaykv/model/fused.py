@@ -141,6 +141,7 @@ def _attend_block(
 
 
 _HALF = (torch.bfloat16, torch.float16)
+RECOMPILE_LIMIT = 64
 _EAGER: dict[str, Callable[..., Any]] = {
     "mix_collapse": _mix_collapse,
     "expand": _expand,
@@ -151,6 +152,10 @@ _EAGER: dict[str, Callable[..., Any]] = {
 def _compiled(name: str) -> Callable[..., Any]:
     fns: dict[str, Callable[..., Any]] = _state["compiled"]
     if name not in fns:
+        # Each layer kind (window only, shared or gathered entries) and each row shape of a
+        # recipe that cycles lengths is a variant; past dynamo's default of 8 a function falls
+        # back to eager for every new one.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         fns[name] = torch.compile(_EAGER[name], dynamic=None)
     return fns[name]
 

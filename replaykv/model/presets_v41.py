@@ -75,13 +75,16 @@ def v41_small() -> DeepseekV41Config:
     ======  ==============  ========  ===================================================
 
     Decoder cut 7, so decoder replay trims layers 8-11. hidden 256, 4 heads × 64, RoPE 16, 4 index
-    heads × 32 (2 heads tie too often, architecture §11), top-64 of 64 candidate blocks × 8,
+    heads × 32 (2 heads tie too often, architecture §11), top-512 (V4.1-Flash's value) of 64
+    candidate blocks × 8 (with top-64, the checkpoint at step 3500 found held-out pass keys at
+    2,048 tokens in 2-5 of 20 cases per depth, with top-512 the same weights in 16-18: the
+    indexer's selection, not the attention, lost them; docs/training.md),
     8 experts top-2 of width 128 plus one shared expert, 4 mHC streams, byte vocabulary (512 ids).
     """
     return DeepseekV41Config(
         vocab_size=512, hidden_size=256, num_hidden_layers=12, num_attention_heads=4, head_dim=64,
         qk_rope_head_dim=16, q_lora_rank=128, o_groups=2, o_lora_rank=64, sliding_window=128,
-        index_n_heads=4, index_head_dim=32, index_topk=64, candidate_topk_blocks=64, candidate_block_size=8,
+        index_n_heads=4, index_head_dim=32, index_topk=512, candidate_topk_blocks=64, candidate_block_size=8,
         compress_ratios=(0, 0, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1), kv_source_layer_ids=(2, 5, 7),
         index_source_layer_ids=(2, 5, 7, 9), candidate_source_layer_id=7,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, hc_mult=4,

@@ -61,6 +61,7 @@ from replaykv.train.setup import (
 from replaykv.train.speed import StepSettings
 from replaykv.train.stages import (
     STAGE_DIR,
+    cold_config,
     cold_start,
     read_stage,
     rewarmed_lr,
@@ -140,7 +141,7 @@ def train(
         )
     # A resumed run takes its weights from the state, so it needs no --init checkpoint.
     if cold is not None:
-        model = load_model(cold, dtype="float32").train()
+        model = load_model(cold, dtype="float32", config=cold_config(recipe, cold)).train()
     else:
         model = fresh_model(recipe) if continuing else make_model(recipe, init)
     model = model.to(dev)

@@ -132,6 +132,27 @@ def cold_start(recipe: Recipe, out: Path, source: str | Path | None) -> Path | N
     return None
 
 
+def cold_config(recipe: Recipe, directory: Path) -> Any:
+    """The config a cold resume from the stage checkpoint in `directory` trains with: the
+    recipe's preset, which may differ from the checkpoint's config.json in settings that shape
+    no parameter (e.g. `index_topk`); a difference that shapes one fails when the weights load.
+    Prints the fields that differ."""
+    from replaykv.model.checkpoint import load_config
+    from replaykv.model.presets_v41 import get_preset_v41
+
+    preset = get_preset_v41(recipe.preset)
+    saved = load_config(directory)
+    changed = {
+        k: (v, getattr(preset, k))
+        for k, v in saved.to_dict().items()
+        if k in preset.to_dict() and preset.to_dict()[k] != v and k not in ("dtype", "torch_dtype")
+    }
+    if changed:
+        text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+        print(f"note: {directory}'s config differs from preset {recipe.preset!r}; training with the preset's: {text}")
+    return preset
+
+
 def rewarmed_lr(recipe: Recipe, step: int, cold_from: int | None) -> float:
     """The schedule's rate at `step`, ramped over `recipe.rewarmup` steps after a cold resume at
     step `cold_from` (None: no ramp)."""
