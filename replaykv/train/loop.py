@@ -56,6 +56,7 @@ from replaykv.train.setup import (
     make_model,
     make_optimizer,
     resolve_device,
+    set_index_topk,
     set_lr,
 )
 from replaykv.train.speed import StepSettings
@@ -190,6 +191,7 @@ def train(
         while step < end:
             t0 = time.perf_counter()
             phase = recipe.phase_at(step)
+            set_index_topk(model, phase.index_topk)
             batch = sampler.batch(step)
             lr = rewarmed_lr(recipe, step, cold_from)
             set_lr(opt, lr)

@@ -85,6 +85,30 @@ def fresh_model(recipe: Recipe, seed: int | None = None) -> DeepseekV41ForCausal
     return model.train()
 
 
+def _indexers(model: nn.Module) -> list[nn.Module]:
+    from replaykv.model.attention import Indexer
+    from replaykv.model.v41 import IndexerV41
+
+    return [m for m in model.modules() if isinstance(m, (Indexer, IndexerV41))]
+
+
+def set_index_topk(model: nn.Module, topk: int | None, default: int | None = None) -> None:
+    """Make every indexer in `model` select `topk` compressed entries per query (None: `default`,
+    else the model config's `index_topk`); a phase's setting (`Phase.index_topk`)."""
+    config: Any = getattr(model, "config", None)
+    value = topk if topk is not None else default if default is not None else int(config.index_topk)
+    for m in _indexers(model):
+        setattr(m, "topk", value)  # noqa: B010 - the indexers' plain int attribute
+
+
+def index_topk_in_force(model: nn.Module) -> int | None:
+    """The `index_topk` the model's indexers select with now (None: it has no indexer)."""
+    values = {int(getattr(m, "topk")) for m in _indexers(model)}  # noqa: B009
+    if len(values) > 1:
+        raise RuntimeError(f"the indexers disagree on index_topk: {sorted(values)}")
+    return values.pop() if values else None
+
+
 HC_MODULES = (HyperConnection, HyperHead)
 
 

@@ -63,8 +63,13 @@ def save_export(model: nn.Module, directory: Path, shard_bytes: int | None = Non
     """The shipped form of `model` in `directory`: bf16 safetensors (float32 where every export
     keeps it; in shards of at most `shard_bytes` when given), config.json and the tokenizer
     files; warns past the 30 MiB budget."""
-    shipped = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
-    save_pretrained(shipped, directory, shard_bytes)  # type: ignore[arg-type]
+    from replaykv.train.setup import index_topk_in_force
+
+    shipped: Any = cast_model(copy.deepcopy(model).cpu(), torch.bfloat16)
+    topk = index_topk_in_force(model)
+    if topk is not None and topk != shipped.config.index_topk:  # a phase's setting (Phase.index_topk)
+        shipped.config = shipped.config.replace(index_topk=topk)
+    save_pretrained(shipped, directory, shard_bytes)
     ByteTokenizer().save(directory)
     size = sum(f.stat().st_size for f in weight_files(directory))
     if size > MAX_EXPORT_BYTES:

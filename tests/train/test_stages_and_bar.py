@@ -202,3 +202,30 @@ def test_train_resume_with_no_state_is_one_error_line(tmp_path, capsys) -> None:
     assert cli.main(["--recipe", "tiny", "--out", str(tmp_path / "none"), "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: nothing to resume")
+
+
+def test_a_phase_selects_its_own_index_topk_and_its_stage_checkpoint_records_it(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
+    from replaykv.model.checkpoint import load_config
+    from replaykv.train.setup import index_topk_in_force
+
+    base = _staged()
+    early = dataclasses.replace(base.phases[0], steps=3, index_topk=2)
+    late = dataclasses.replace(base.phases[0], name="late", steps=3)  # the preset's (v41-tiny: 4)
+    recipe = dataclasses.replace(base, phases=(early, late))
+    seen: list[int | None] = []
+    real = loop.accumulate_gradients
+
+    def spy(model, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(index_topk_in_force(model))
+        return real(model, *args, **kwargs)
+
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "accumulate_gradients", spy)
+        loop.train(recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False)
+        assert load_config(out / "stage").index_topk == 2  # stage 1 ended in the early phase
+        loop.train(recipe, out, resume=True, corpus=corpus, progress=False, evaluate_at_end=False)
+    assert seen == [2, 2, 2, 4, 4, 4]
+    assert load_config(out / "stage").index_topk == 4 == v41_tiny().index_topk
+    with pytest.raises(ValueError, match="index_topk"):
+        dataclasses.replace(early, index_topk=0)

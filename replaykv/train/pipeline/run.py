@@ -65,6 +65,7 @@ from replaykv.train.setup import (
     RouterBalance,
     make_optimizer,
     resolve_device,
+    set_index_topk,
     set_lr,
 )
 from replaykv.train.spawn import spawn
@@ -251,6 +252,7 @@ def _train(rank: int, args: PipelineArgs, recipe: Recipe, dev: torch.device) -> 
     while step < end:
         t0 = time.perf_counter()
         phase = recipe.phase_at(step)
+        set_index_topk(module, phase.index_topk, default=model.config.index_topk)  # the stage and its shadows
         batch = sampler.batch(step) if sampler is not None else None
         lr = rewarmed_lr(recipe, step, counters["cold_from"])
         set_lr(opt, lr)
