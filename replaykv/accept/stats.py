@@ -27,19 +27,28 @@ import numpy as np
 EPS = 1e-12
 
 
+def _bootstrap(values: Sequence[float], stat: str, n_boot: int, seed: int) -> dict[str, float]:
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
+    f = np.mean if stat == "mean" else np.median
+    if x.size == 0:
+        return {"n": 0, stat: math.nan, "lower95": math.nan, "upper95": math.nan}
+    point = float(f(x))
+    if x.size == 1 or np.all(x == x[0]):
+        return {"n": int(x.size), stat: point, "lower95": point, "upper95": point}
+    rng = np.random.default_rng(seed)
+    draws = f(x[rng.integers(0, x.size, size=(n_boot, x.size))], axis=1)
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return {"n": int(x.size), stat: point, "lower95": float(lo), "upper95": float(hi)}
+
+
 def bootstrap_mean(values: Sequence[float], n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
     """Mean of `values` with its 95% percentile-bootstrap interval (NaN when empty)."""
-    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
-    if x.size == 0:
-        return {"n": 0, "mean": math.nan, "lower95": math.nan, "upper95": math.nan}
-    if x.size == 1 or np.all(x == x[0]):
-        m = float(x.mean())
-        return {"n": int(x.size), "mean": m, "lower95": m, "upper95": m}
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, x.size, size=(n_boot, x.size))
-    means = x[idx].mean(axis=1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return {"n": int(x.size), "mean": float(x.mean()), "lower95": float(lo), "upper95": float(hi)}
+    return _bootstrap(values, "mean", n_boot, seed)
+
+
+def bootstrap_median(values: Sequence[float], n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Median of `values` with its 95% percentile-bootstrap interval (NaN when empty)."""
+    return _bootstrap(values, "median", n_boot, seed)
 
 
 def mcnemar_exact(base: Sequence[bool], cand: Sequence[bool]) -> dict[str, float]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -78,6 +77,7 @@ from replaykv.engine.sampling import OutputStream, Sampler, check_sampling, toke
 from replaykv.engine.scenario import inject_fault
 from replaykv.images import ImageError, check_placement
 from replaykv.model.cache_view import CacheView, CompressorCarry, LayerCacheView
+from replaykv.model.checkpoint import weights_digest
 from replaykv.model.spec import ModelSpec
 from replaykv.model.step import Residual, Selection
 from replaykv.replay import (
@@ -253,14 +253,6 @@ def _key_parts(request: Request) -> tuple[tuple[int, int, bytes], ...]:
     return tuple(im.key_part for im in request.images)
 
 
-def _weights_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer | HFTokenizer]:
     from replaykv.model.checkpoint import build_model, cast_model, load_config, load_model, parse_dtype
     from replaykv.model.init import init_weights
@@ -382,7 +374,7 @@ class Engine(EngineAPI):
             )
         except ValueError as exc:
             raise ValueError(f"chunk_size: {exc}") from exc
-        self.weights_digest = _weights_digest(self.model)
+        self.weights_digest = weights_digest(self.model)
         namespace = layout.namespace(self.model.config.digest(), self.weights_digest)
         device_pool = DevicePool(layout, cfg.device_pool_bytes) if cfg.device_pool_bytes > 0 else None
         swa_pool = None

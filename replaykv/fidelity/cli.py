@@ -13,7 +13,6 @@ section between the fidelity markers in FILE (docs/fidelity.md). Not for: servin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 import sys
@@ -72,27 +71,23 @@ def build_parser() -> ArgumentParser:
 def _model(args: Any) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    from replaykv.model.checkpoint import build_model, load_model, weight_files
+    from replaykv.model.checkpoint import build_model, load_model, weights_digest
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
     from replaykv.server.settings import model_to_load
 
     found = model_to_load(args.model, args.preset is not None)
+    model: Any
     if found is None:
         config = get_preset(args.preset or "small")
         model = init_weights(build_model(config), seed=args.seed).to(torch.device(args.device)).eval()
-        return model, {
-            "name": f"preset {args.preset or 'small'} (random weights, seed {args.seed})",
-            "digest": None,
-            "config_digest": config.digest(),
-        }
-    if not (found / "config.json").is_file():
-        raise UsageError(f"--model {found} holds no config.json (a model directory: config.json + safetensors)")
-    model = load_model(found, device=args.device, dtype="float32").eval()
-    sha = hashlib.sha256()
-    for f in sorted(weight_files(found)):
-        sha.update(f.read_bytes())
-    return model, {"name": str(found), "digest": sha.hexdigest()[:16], "config_digest": model.config.digest()}
+        name = f"preset {args.preset or 'small'} (random weights, seed {args.seed})"
+    else:
+        if not (found / "config.json").is_file():
+            raise UsageError(f"--model {found} holds no config.json (a model directory: config.json + safetensors)")
+        model, name = load_model(found, device=args.device, dtype="float32").eval(), str(found)
+    # the same identity an acceptance report gives the model (Engine.model_identity)
+    return model, {"name": name, "weights_sha256": weights_digest(model), "config_digest": model.config.digest()}
 
 
 def _replace_section(path: Path, section: str) -> None:

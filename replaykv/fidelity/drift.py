@@ -15,17 +15,23 @@ forcing. Not for: single follow-ups (see :mod:`replaykv.fidelity.traces`).
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from typing import Any
 
 import torch
 
-from replaykv.cache.views import advance, allocate_view
+from replaykv.accept.stats import bootstrap_median
+from replaykv.cache.views import allocate_view
 from replaykv.engine.runner import execute
 from replaykv.engine.scenario import drop_snapshot
-from replaykv.fidelity.traces import PATHS
+from replaykv.fidelity.prompts import prompts
+from replaykv.fidelity.study import paired_difference
+from replaykv.fidelity.traces import PATHS, decode
 from replaykv.model.cache_view import CacheView
 from replaykv.model.spec import ModelSpec
 from replaykv.replay import CacheState, plan_prefill
+from replaykv.train.evaluate import wilson
 
 
 def turn_bounds(length: int, turns: int, alignment: int = 2) -> list[int]:
@@ -108,14 +114,8 @@ def session(
 
 def _teacher_forced(model: Any, view: CacheView, last: torch.Tensor, answer: tuple[int, ...]) -> bool:
     """Every answer token the argmax, feeding the answer (the view stands at the prompt's end)."""
-    device = next(model.parameters()).device
-    ok = int(last.argmax()) == answer[0]
-    with torch.inference_mode():
-        for j, tok in enumerate(answer[:-1]):
-            out = model(torch.tensor([[tok]], device=device), view, logits_rows="last")
-            advance(view, 1)
-            ok = ok and int(out[0, -1].argmax()) == answer[j + 1]
-    return ok
+    rows, _ = decode(model, view, last, list(answer), 0)
+    return all(int(r.argmax()) == t for r, t in zip(rows, answer, strict=True))
 
 
 def drift_study(
@@ -131,13 +131,6 @@ def drift_study(
 ) -> dict[str, Any]:
     """Sessions of each prompt in each number of turns, with the snapshot missed and hit every
     turn; per-turn medians and last-turn answer accuracy against one pass."""
-    import time
-    from collections import defaultdict
-
-    from replaykv.fidelity.prompts import prompts
-    from replaykv.fidelity.study import _paired, bootstrap_median
-    from replaykv.train.evaluate import wilson
-
     spec = ModelSpec.from_config(model.config)
     window = replay_span or spec.sliding_window
     t0 = time.perf_counter()
@@ -179,7 +172,7 @@ def drift_study(
                     "keep_snapshot": keep,
                     "one_pass": wilson(sum(base), len(base)),
                     "in_turns": wilson(sum(cand), len(cand)),
-                    "vs_one_pass": _paired(base, cand, seed),
+                    "vs_one_pass": paired_difference(base, cand, seed),
                 }
             )
     return {"seconds": time.perf_counter() - t0, "sessions": sessions, "per_turn": per_turn, "answers": answers}

@@ -57,10 +57,9 @@ def prompts(heldout: Corpus, family: str, length: int, count: int, window: int) 
     return out
 
 
-def cut_for(prompt: Prompt, offset: int | str, alignment: int = 1) -> int | None:
-    """The cut of `prompt` at `offset` tokens after its anchor ("deep": near the prompt's end),
-    rounded down to `alignment`; None when it falls outside (0, S)."""
+def cut_for(prompt: Prompt, offset: int | str) -> int | None:
+    """The cut of `prompt` at `offset` tokens after its anchor ("deep": near the prompt's end);
+    None when it falls outside (0, S). Odd cuts stay odd (architecture §13.7)."""
     s = len(prompt.ids)
     cut = s - DEEP_SUFFIX if offset == "deep" else prompt.anchor + int(offset)
-    cut = cut // alignment * alignment
     return cut if 0 < cut < s else None

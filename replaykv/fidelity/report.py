@@ -31,7 +31,7 @@ def header(result: dict[str, Any]) -> list[str]:
         f"Command: `{result['command']}`; {result['seconds'] / 60:.1f} min on {env.get('cpus')} CPUs "
         f"({env.get('threads')} torch threads). Engine commit `{env.get('commit')}`, replaykv "
         f"{env.get('replaykv')}, torch {env.get('torch')}; model `{result['model']['name']}` (weights sha256 "
-        f"`{result['model']['digest']}`, config digest `{result['model']['config_digest']}`).",
+        f"`{result['model']['weights_sha256']}`, config digest `{result['model']['config_digest']}`).",
         "",
     ]
 

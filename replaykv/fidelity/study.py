@@ -19,7 +19,6 @@ Aggregates are medians over prompts with 95% percentile-bootstrap intervals of t
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replaykv.accept.stats import mcnemar_exact
+from replaykv.accept.stats import bootstrap_mean, bootstrap_median, mcnemar_exact
 from replaykv.fidelity.prompts import FAMILIES, Prompt, cut_for, prompts
 from replaykv.fidelity.traces import PATHS, REPLAY_PATHS, compare, trace
 from replaykv.model.spec import ModelSpec
@@ -81,20 +80,6 @@ class StudySpec:
             raise ValueError(f"unknown or reference paths {bad}; compare any of {sorted(set(PATHS) - {'exact'})}")
         if self.prompts < 1 or self.continuation < 1 or not self.lengths:
             raise ValueError("prompts, continuation and lengths must be positive")
-
-
-def bootstrap_median(values: Sequence[float], n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
-    """Median with its 95% percentile-bootstrap interval (NaN values dropped)."""
-    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
-    if x.size == 0:
-        return {"n": 0, "median": math.nan, "lower95": math.nan, "upper95": math.nan}
-    med = float(np.median(x))
-    if x.size == 1 or np.all(x == x[0]):
-        return {"n": int(x.size), "median": med, "lower95": med, "upper95": med}
-    rng = np.random.default_rng(seed)
-    meds = np.median(x[rng.integers(0, x.size, size=(n_boot, x.size))], axis=1)
-    lo, hi = np.percentile(meds, [2.5, 97.5])
-    return {"n": int(x.size), "median": med, "lower95": float(lo), "upper95": float(hi)}
 
 
 def _buckets(kl: list[float | None], first_row: int, cut: int) -> dict[str, float]:
@@ -240,14 +225,11 @@ def answers(
     return {"spec": asdict(spec), "seconds": time.perf_counter() - t0, "rows": rows, "table": answer_table(rows, spec)}
 
 
-def _paired(base: list[bool], cand: list[bool], seed: int) -> dict[str, Any]:
-    diff = np.asarray(cand, dtype=np.float64) - np.asarray(base, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    if diff.size == 0:
-        return {"diff": math.nan, "lower95": math.nan, "upper95": math.nan, **mcnemar_exact([], [])}
-    means = diff[rng.integers(0, diff.size, size=(2000, diff.size))].mean(axis=1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return {"diff": float(diff.mean()), "lower95": float(lo), "upper95": float(hi), **mcnemar_exact(base, cand)}
+def paired_difference(base: list[bool], cand: list[bool], seed: int = 0) -> dict[str, Any]:
+    """candidate − baseline success, paired per prompt: the mean difference with its 95%
+    paired-bootstrap interval, and the exact McNemar test."""
+    diff = bootstrap_mean([float(c) - float(b) for b, c in zip(base, cand, strict=True)], seed=seed)
+    return {"diff": diff["mean"], "lower95": diff["lower95"], "upper95": diff["upper95"], **mcnemar_exact(base, cand)}
 
 
 def answer_table(rows: list[dict[str, Any]], spec: StudySpec) -> list[dict[str, Any]]:
@@ -273,9 +255,9 @@ def answer_table(rows: list[dict[str, Any]], spec: StudySpec) -> list[dict[str, 
             worst = min(per, key=lambda lab: (sum(per[lab][1]) / max(1, len(per[lab][1])), lab))
             b, c = per[worst]
             arm = {"length": length, "task": task, "arm": f"{path} worst ({worst})"}
-            out.append({**arm, **wilson(sum(c), len(c)), "vs_full": _paired(b, c, spec.boot_seed)})
+            out.append({**arm, **wilson(sum(c), len(c)), "vs_full": paired_difference(b, c, spec.boot_seed)})
             ab = [x for lab in labels for x in per[lab][0]]
             ac = [x for lab in labels for x in per[lab][1]]
             arm = {"length": length, "task": task, "arm": f"{path} mean over offsets"}
-            out.append({**arm, **wilson(sum(ac), len(ac)), "vs_full": _paired(ab, ac, spec.boot_seed)})
+            out.append({**arm, **wilson(sum(ac), len(ac)), "vs_full": paired_difference(ab, ac, spec.boot_seed)})
     return out

@@ -74,7 +74,7 @@ class Trace:
     continuation: list[int]
 
 
-def _decode(model: Any, view: Any, last: torch.Tensor, feed: list[int], greedy: int) -> tuple[list[torch.Tensor], list[int]]:
+def decode(model: Any, view: Any, last: torch.Tensor, feed: list[int], greedy: int) -> tuple[list[torch.Tensor], list[int]]:
     """Decode from the view left after a prefill whose last row's logits are `last` [vocab]:
     feed `feed` (teacher forcing) or, when it is empty, `greedy` argmax tokens. Returns the
     rows' logits (the last prefill row first) and the tokens fed after each."""
@@ -112,7 +112,7 @@ def trace(
     logits, _, view = follow_up(
         model, ids, cut, spec.flags(replay_span), spec.keep_snapshot, capacity=n, fault=spec.fault
     )
-    decoded, tokens = _decode(model, view, logits[-1], feed, n)
+    decoded, tokens = decode(model, view, logits[-1], feed, n)
     rows = torch.cat([logits[:-1], torch.stack(decoded)], dim=0)
     return Trace(cut, torch.log_softmax(rows, dim=-1), tokens)
 

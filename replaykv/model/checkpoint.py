@@ -9,6 +9,7 @@ and a checkpoint that matches neither is rejected with the keys that do not fit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -252,6 +253,16 @@ INDEX_FILE = "model.safetensors.index.json"
 # packed leaving this much per tensor (and the fixed part) for it.
 _HEADER_PER_TENSOR = 256
 _HEADER_FIXED = 1024
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over the model's tensors as they sit in memory (names, dtypes, shapes, bytes): what
+    cache namespaces and reports name the weights by."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

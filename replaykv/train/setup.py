@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from replaykv.model.attention import Indexer
 from replaykv.model.checkpoint import load_model
 from replaykv.model.init import init_weights
 from replaykv.model.layers import HyperConnection, HyperHead, RouterV41
 from replaykv.model.presets_v41 import get_preset_v41
-from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.model.v41 import DeepseekV41ForCausalLM, IndexerV41
 from replaykv.train.recipes import Recipe
 
 
@@ -85,10 +86,7 @@ def fresh_model(recipe: Recipe, seed: int | None = None) -> DeepseekV41ForCausal
     return model.train()
 
 
-def _indexers(model: nn.Module) -> list[nn.Module]:
-    from replaykv.model.attention import Indexer
-    from replaykv.model.v41 import IndexerV41
-
+def _indexers(model: nn.Module) -> list[Indexer | IndexerV41]:
     return [m for m in model.modules() if isinstance(m, (Indexer, IndexerV41))]
 
 
@@ -98,12 +96,12 @@ def set_index_topk(model: nn.Module, topk: int | None, default: int | None = Non
     config: Any = getattr(model, "config", None)
     value = topk if topk is not None else default if default is not None else int(config.index_topk)
     for m in _indexers(model):
-        setattr(m, "topk", value)  # noqa: B010 - the indexers' plain int attribute
+        m.topk = value
 
 
 def index_topk_in_force(model: nn.Module) -> int | None:
     """The `index_topk` the model's indexers select with now (None: it has no indexer)."""
-    values = {int(getattr(m, "topk")) for m in _indexers(model)}  # noqa: B009
+    values = {m.topk for m in _indexers(model)}
     if len(values) > 1:
         raise RuntimeError(f"the indexers disagree on index_topk: {sorted(values)}")
     return values.pop() if values else None

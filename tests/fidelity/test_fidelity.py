@@ -12,12 +12,13 @@ import math
 import pytest
 import torch
 
+from replaykv.accept.stats import bootstrap_median
 from replaykv.engine.oneshot import score
 from replaykv.fidelity.cli import BEGIN, END
 from replaykv.fidelity.cli import main as fidelity_main
 from replaykv.fidelity.drift import session, turn_bounds
 from replaykv.fidelity.prompts import Prompt, cut_for, prompts
-from replaykv.fidelity.study import StudySpec, bootstrap_median, resolve_offset, token_fidelity
+from replaykv.fidelity.study import StudySpec, resolve_offset, token_fidelity
 from replaykv.fidelity.traces import Trace, compare, trace
 from replaykv.model.checkpoint import build_model
 from replaykv.model.init import init_weights
