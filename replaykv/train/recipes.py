@@ -228,6 +228,10 @@ class Recipe:
     # After a cold resume (weights from a stage checkpoint, fresh AdamW moments) the schedule's
     # rate is ramped linearly over this many steps, so the empty moments do not take full steps.
     rewarmup: int = 25
+    # The step at which the cosine reaches `min_lr` (None, or past the last step: the last step);
+    # later steps keep `min_lr`, so a recipe extended past its first plan keeps the rates of its
+    # earlier steps.
+    decay_end: int | None = None
     # Package directory (under replaykv/weights/) that this recipe's stage checkpoints go to.
     ship_as: str | None = None
 
@@ -247,6 +251,8 @@ class Recipe:
             raise ValueError("stages must be increasing step numbers ending at the recipe's last step")
         if self.rewarmup < 0:
             raise ValueError("rewarmup must not be negative")
+        if self.decay_end is not None and not self.decay_end > self.warmup:
+            raise ValueError("decay_end must lie after the warmup")
 
     @property
     def stage_ends(self) -> tuple[int, ...]:
@@ -279,10 +285,12 @@ class Recipe:
         return last.at(last.steps - 1)
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup to `lr`, then cosine to `min_lr` at the last step."""
+        """Linear warmup to `lr`, then cosine to `min_lr` at the last step (or `decay_end`, then
+        constant)."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        t = (step - self.warmup) / max(1, self.total_steps - 1 - self.warmup)
+        end = min(self.total_steps, self.decay_end or self.total_steps)
+        t = (step - self.warmup) / max(1, end - 1 - self.warmup)
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
 
     def digest(self) -> str:
@@ -370,8 +378,9 @@ def _mixed(
     cycle: tuple[tuple[int, int, int | None], ...] = (),
     prompt_from: float = 0.5,
     index_topk: int | None = None,
+    mixture: Mixture = SMALL_MIXTURE,
 ) -> Phase:
-    """A phase of the `small` mixture with the task-answer and copy weights."""
+    """A phase of a `small` mixture with the task-answer and copy weights."""
     return Phase(
         name,
         steps=steps,
@@ -382,7 +391,7 @@ def _mixed(
         cycle=cycle,
         prompt_from=prompt_from,
         index_topk=index_topk,
-        mixture=SMALL_MIXTURE,
+        mixture=mixture,
         answer_weight=TASK_ANSWER_WEIGHT,
         copy_weight=COPY_WEIGHT,
     )
@@ -391,7 +400,16 @@ def _mixed(
 # Stage boundaries of `small`, each sized for at most 100 minutes of 2 CPU cores (measured step
 # times: 8 × 256 about 2.5 s, 8 × 512 about 4.5 s, 8 × 1,024 about 10.5 s, 4 × 2,048 and
 # 2 × 4,096 about 11-12 s; docs/training.md has the times each stage took).
-SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550)
+SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550, 4850, 5150, 5450, 5750, 6050, 6350)
+# The cosine ends here, where the first plan of `small` ended; the task phase after it keeps
+# `min_lr`.
+SMALL_DECAY_END = 4550
+# The task phase: at step 3950 pass keys were retrieved at every depth of 1K and 2K prompts while
+# multi-hop lookups and variable chains stayed at chance, so multi-hop and chain rows go from a
+# quarter of the mixture to almost half, taken from passkey, text and copy rows.
+TASK_MIXTURE = Mixture(
+    text=0.15, passkey=0.25, multihop=0.25, chain=0.20, extract=0.03, tool=0.03, copy=0.09
+)
 # The last phase's rows, one shape per step in turn (8,192 tokens each): after 4K rows alone
 # (2 a step, so 0.7 pass-key cases a step against 2.8 at 8 × 1,024) held-out keys beyond the
 # window fell at 1,024 and 2,048 tokens between steps 3500 and 4250 (docs/training.md).
@@ -415,6 +433,7 @@ def small() -> Recipe:
     5      150 + 300 mixture                                   4 × 2,048, 2 × 4,096
     6-8    450, 300 and 300 mixture                            8 × 1,024 / 4 × 2,048 /
                                                                2 × 4,096 in turn
+    9-14   300 each of the task mixture at `min_lr`            the same in turn
     =====  ==================================================  ====================
 
     Rung 1 (pass keys at every depth of 1K and 2K contexts) is within reach after stage 4, rung 2
@@ -453,10 +472,20 @@ def small() -> Recipe:
                 prompt_from=0.25,
                 index_topk=None,
             ),
+            _mixed(
+                "tasks",
+                steps=1800,
+                seq_len=4096,
+                batch=2,
+                cycle=LENGTHS_CYCLE,
+                prompt_from=0.25,
+                mixture=TASK_MIXTURE,
+            ),
         ),
         lr=2e-3,
         min_lr=2e-4,
         warmup=100,
+        decay_end=SMALL_DECAY_END,
         quick_eval=_SMALL_QUICK,
         final_eval=_SMALL_EVAL,
         stages=SMALL_STAGES,

@@ -33,11 +33,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore `rng_state()`; its tensors may have been loaded onto another device (a state file
+    read with ``map_location="cuda"``): the generators take CPU byte tensors."""
+    torch.set_rng_state(state["torch"].cpu())
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
 
 
 def save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any]) -> None:

@@ -19,7 +19,24 @@ from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train import loop, stages
 from replaykv.train.bar import BarSpec, bar_cases, meets, rung, score_cases
 from replaykv.train.evaluate import task_accuracy, wilson
-from replaykv.train.recipes import EvalSpec, Mixture, Phase, tiny
+from replaykv.train.recipes import SMALL_DECAY_END, EvalSpec, Mixture, Phase, small, tiny
+
+
+def test_decay_end_keeps_the_rates_of_the_steps_before_an_extension() -> None:
+    extended = small()
+    first_plan = dataclasses.replace(
+        extended,
+        phases=extended.phases[:-1],
+        stages=tuple(e for e in extended.stage_ends if e <= SMALL_DECAY_END),
+        decay_end=None,
+    )
+    assert first_plan.total_steps == SMALL_DECAY_END < extended.total_steps
+    for step in (0, 99, 100, 1000, 3989, SMALL_DECAY_END - 1):
+        assert extended.lr_at(step) == first_plan.lr_at(step)
+    assert extended.lr_at(SMALL_DECAY_END - 2) > extended.min_lr
+    assert extended.lr_at(SMALL_DECAY_END) == extended.lr_at(extended.total_steps - 1) == extended.min_lr
+    with pytest.raises(ValueError, match="decay_end"):
+        dataclasses.replace(extended, decay_end=extended.warmup)
 
 
 def _staged():  # type: ignore[no-untyped-def]
