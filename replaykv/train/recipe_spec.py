@@ -1,0 +1,297 @@
+"""What a training recipe is, as frozen dataclasses: the data mixture, the forward paths that carry
+loss, the phases, the held-out evaluation, the shipping bar and the recipe itself (the named
+recipes are in :mod:`replaykv.train.recipes`).
+
+A recipe is a list of phases (data shape, mixture, which forward paths carry loss) under one
+learning-rate schedule (linear warmup, cosine to `min_lr`), plus the optimiser,
+the auxiliary losses, and the held-out evaluation the model card reports. Not for: running
+anything (see :mod:`replaykv.train.loop`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Sampling weights of the row kinds (normalised when sampled) and, for text rows, the share
+    of prose (docstrings) versus code. `copy` rows are text with random strings repeated later in
+    the row (see :func:`replaykv.train.data.copy_row`): dense copy targets at distances inside
+    and beyond the window, the skill every retrieval task is built on. `repeat` rows are one
+    random string repeated to fill the row (see :func:`replaykv.train.data.repeat_row`):
+    nothing but in-window copying, for a first phase that forms the copying circuit."""
+
+    text: float = 0.45
+    passkey: float = 0.15
+    multihop: float = 0.12
+    chain: float = 0.10
+    extract: float = 0.09
+    tool: float = 0.09
+    copy: float = 0.0
+    repeat: float = 0.0
+    prose_fraction: float = 0.3
+
+    def __post_init__(self) -> None:
+        if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
+            raise ValueError("mixture weights must be non-negative and not all zero")
+        if not 0 <= self.prose_fraction <= 1:
+            raise ValueError("prose_fraction must be in [0, 1]")
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {
+            "text": self.text,
+            "passkey": self.passkey,
+            "multihop": self.multihop,
+            "chain": self.chain,
+            "extract": self.extract,
+            "tool": self.tool,
+            "copy": self.copy,
+            "repeat": self.repeat,
+        }
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Which forward paths carry loss in a step (architecture §6, §13).
+
+    full: weight of the full path (every layer over every row). decoder_replay: weight of the
+    follow-up under decoder replay (decoder layers over the last W prompt rows and the answer).
+    bounded_prob: probability that a step's follow-up also uses encoder bounded replay at a
+    random cut (snapshot missing; the global KV of [0, cut) from the full forward).
+    boundary_prob: probability that a task row puts its evidence just before the replay boundary
+    s = cut - W (only in steps with a cut).
+    """
+
+    full: float = 1.0
+    decoder_replay: float = 0.0
+    bounded_prob: float = 0.0
+    boundary_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.full < 0 or self.decoder_replay < 0 or self.full + self.decoder_replay <= 0:
+            raise ValueError("path weights must be non-negative and not both zero")
+        if self.bounded_prob > 0 and self.decoder_replay <= 0:
+            raise ValueError("bounded_prob needs decoder_replay > 0 (the follow-up carries the loss)")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """`steps` optimiser steps of `batch` sequences of `seq_len` tokens, accumulated over
+    micro-batches of `micro_batch` sequences (memory only: the gradient is the same up to float
+    summation order; None: the whole batch at once). `answer_weight`: the loss weight of a task's
+    answer (and train-span) tokens relative to a text token; a batch of 8 × 1,024 holds about
+    5,000 text targets and 100 answer tokens, so at 1 the tasks are about 2% of the loss.
+    `copy_weight`: the loss weight of a copy row's repeated bytes (after each repeat's first).
+    `cycle`: row shapes (seq_len, batch, micro_batch) taken in turn, one per step (step k of the
+    phase uses entry k mod len(cycle)), so that one phase keeps short rows beside long ones and a
+    model trained on long rows still sees many short prompts; empty: every step is seq_len ×
+    batch. `prompt_from`: the shortest prompt as a share of the row (at least W + 1 tokens; the
+    longest leaves the answer budget). `index_topk`: how many compressed entries each indexer
+    selects during the phase (None: the preset's; it shapes no parameter, and a stage checkpoint
+    written in the phase records it in its config)."""
+
+    name: str
+    steps: int
+    seq_len: int
+    batch: int
+    mixture: Mixture = field(default_factory=Mixture)
+    paths: Paths = field(default_factory=Paths)
+    micro_batch: int | None = None
+    answer_weight: float = 1.0
+    copy_weight: float = 1.0
+    cycle: tuple[tuple[int, int, int | None], ...] = ()
+    prompt_from: float = 0.5
+    index_topk: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1:
+            raise ValueError(f"phase {self.name}: steps and batch must be positive")
+        if any(n < 1 or b < 1 or (m is not None and m < 1) for n, b, m in self.cycle):
+            raise ValueError(f"phase {self.name}: every shape of the cycle needs positive sizes")
+        if not 0 < self.prompt_from <= 1:
+            raise ValueError(f"phase {self.name}: prompt_from must be in (0, 1]")
+        if self.index_topk is not None and self.index_topk < 1:
+            raise ValueError(f"phase {self.name}: index_topk must be positive")
+        if not self.answer_weight > 0:
+            raise ValueError(f"phase {self.name}: answer_weight must be positive")
+        if not self.copy_weight > 0:
+            raise ValueError(f"phase {self.name}: copy_weight must be positive")
+
+    def at(self, k: int) -> Phase:
+        """The shape of the phase's step k (0-based within the phase): itself without a cycle,
+        else the cycle's entry k mod its length, as a phase without a cycle."""
+        if not self.cycle:
+            return self
+        seq_len, batch, micro = self.cycle[k % len(self.cycle)]
+        return replace(self, seq_len=seq_len, batch=batch, micro_batch=micro, cycle=())
+
+    @property
+    def tokens(self) -> int:
+        """Tokens over all the phase's steps."""
+        if not self.cycle:
+            return self.steps * self.batch * self.seq_len
+        return sum(self.at(k).batch * self.at(k).seq_len for k in range(self.steps))
+
+    def describe(self) -> str:
+        """The row shapes in words: '8 × 512' or '8 × 1,024 / 4 × 2,048 in turn'."""
+        shapes = [(n, b) for n, b, _ in self.cycle] or [(self.seq_len, self.batch)]
+        return " / ".join(f"{b} × {n:,}" for n, b in shapes) + (" in turn" if self.cycle else "")
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation: bits per byte on `text_sequences` windows of `text_len` bytes, and
+    per-task exact match on prompts of `prompt_len` tokens (passkey: `passkey_per_depth` cases at
+    each depth; other tasks `cases`), on the full path and with bounded replay at cut points
+    `offsets` tokens after the evidence (empty: full path only)."""
+
+    prompt_len: int
+    cases: int
+    passkey_depths: tuple[float, ...]
+    passkey_per_depth: int
+    offsets: tuple[int, ...]
+    text_sequences: int
+    text_len: int
+    batch: int = 4
+    seed: int = 99991
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class BarSpec:
+    """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
+    `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
+    as (label, tokens); a tokens value above W puts it before the question's window."""
+
+    rung1_lengths: tuple[int, ...] = (1024, 2048)
+    rung2_lengths: tuple[int, ...] = (4096,)
+    extra_lengths: tuple[int, ...] = ()  # measured, not part of a rung (8K, 16K)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
+    tail_depths: tuple[tuple[str, int], ...] = (("before last W", 140), ("inside last W", 60))
+    cases: int = 40
+    offsets: tuple[int, ...] = (0, 128)
+    pass_rate: float = 0.95
+    batch: int = 4
+    seed: int = 77773
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    preset: str
+    phases: tuple[Phase, ...]
+    lr: float
+    min_lr: float
+    warmup: int
+    weight_decay: float = 0.1
+    # Learning-rate factor of the mHC mixing parameters (no weight decay). Each post-mix logit is
+    # a dot product over hc_mult × hidden inputs, so at the full rate Adam can move it by ~2 per
+    # step: at 1.0 the `small` run had shut 11 of its 24 branches (post mix 2·sigmoid < 0.12)
+    # by step 700.
+    hc_lr_scale: float = 0.1
+    # Standard deviation of a fresh model's token embeddings (other matrices keep 0.02): at 0.02
+    # a V4.1 stack did not learn to copy in context; why 1.0, in docs/training.md.
+    embed_std: float = 1.0
+    # Draw both halves of each attention's grouped output projection (`o_a_proj`, `o_b_proj`)
+    # at 1/sqrt(fan-in) instead of 0.02: at 0.02 a V4.1 attention did not learn to copy in
+    # context; why, in docs/training.md.
+    o_proj_fan_in: bool = True
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 1234
+    indexer_loss: float = 1.0  # KL of the indexer scores to the main attention (DSA-style)
+    indexer_rows: int = 64  # query rows per index layer and call that the KL is computed on
+    router_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimiser step
+    answer_budget: int = 96  # tokens kept after a task prompt for the answer
+    eval_every: int = 250
+    checkpoint_every: int = 50
+    log_every: int = 10
+    quick_eval: EvalSpec | None = None
+    final_eval: EvalSpec | None = None
+    bar: BarSpec | None = None  # the shipping bar (see replaykv.train.bar); None: no rung
+    corpus_files: int | None = None  # None: every stdlib file
+    init_from: str | None = None  # recipe whose export initialises this one (--init DIR)
+    # Global steps at which the stages end (increasing, the last one `total_steps`; empty: one
+    # stage). At a stage's end the loop writes a stage checkpoint (bf16 export + stage.json),
+    # the unit that is committed and from which a machine without the full state continues.
+    stages: tuple[int, ...] = ()
+    # After a cold resume (weights from a stage checkpoint, fresh AdamW moments) the schedule's
+    # rate is ramped linearly over this many steps, so the empty moments do not take full steps.
+    rewarmup: int = 25
+    # The step at which the cosine reaches `min_lr` (None, or past the last step: the last step);
+    # later steps keep `min_lr`, so a recipe extended past its first plan keeps the rates of its
+    # earlier steps.
+    decay_end: int | None = None
+    # Package directory (under replaykv/weights/) that this recipe's stage checkpoints go to.
+    ship_as: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ValueError("a recipe needs at least one phase")
+        if not 0 <= self.warmup < self.total_steps:
+            raise ValueError("warmup must be shorter than the recipe")
+        if self.min_lr > self.lr:
+            raise ValueError("min_lr must not exceed lr")
+        if not self.hc_lr_scale > 0:
+            raise ValueError("hc_lr_scale must be positive")
+        if not self.embed_std > 0:
+            raise ValueError("embed_std must be positive")
+        ends = self.stage_ends
+        if any(b <= a for a, b in zip((0, *ends), ends, strict=False)) or ends[-1] != self.total_steps:
+            raise ValueError("stages must be increasing step numbers ending at the recipe's last step")
+        if self.rewarmup < 0:
+            raise ValueError("rewarmup must not be negative")
+        if self.decay_end is not None and not self.decay_end > self.warmup:
+            raise ValueError("decay_end must lie after the warmup")
+
+    @property
+    def stage_ends(self) -> tuple[int, ...]:
+        """The global step at which each stage ends (one stage when `stages` is empty)."""
+        return self.stages or (self.total_steps,)
+
+    def stage_at(self, step: int) -> int:
+        """The 1-based stage that optimiser step `step` (0-based) belongs to."""
+        for i, end in enumerate(self.stage_ends):
+            if step < end:
+                return i + 1
+        return len(self.stage_ends)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(p.tokens for p in self.phases)
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase that optimiser step `step` (0-based) belongs to, with that step's row shape
+        (see `Phase.cycle`)."""
+        for p in self.phases:
+            if step < p.steps:
+                return p.at(step)
+            step -= p.steps
+        last = self.phases[-1]
+        return last.at(last.steps - 1)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to `lr`, then cosine to `min_lr` at the last step (or `decay_end`, then
+        constant)."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        end = min(self.total_steps, self.decay_end or self.total_steps)
+        t = (step - self.warmup) / max(1, end - 1 - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
