@@ -11,6 +11,7 @@ loss mask, so a batch is a pure function of its step (resuming needs no data sta
     text row   [corpus window .................................]  loss everywhere
     task row   [prompt (exactly P tokens) | answer | eos | text ]  loss on answers, tool calls, text
     copy row   [text .. S1 .. S2 .. S1 .. text .. S2 .. text ...]  loss on text and each repeat
+    lookup row [text .. A -> B .. B -> C .. | .. from A: C .. ...]  loss on text and each answer
 
 All rows of a batch share the prompt length P and, in replay-adaptation steps, the cut point, so
 the replay paths can run them as one batch. Not for: running the model (see
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +203,65 @@ def copy_row(
     return ids, copy, sorted(pairs)
 
 
+def lookup_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Link records and questions about them in a corpus window: ids [length], an answer mask
+    [length] (True on each answer's bytes) and a mask of every inserted byte.
+
+    The first 40-60% of the row holds the records `A -> B` of one chain of 2-4 codes (four upper
+    case letters or digits) per 256 bytes, in random order and places; the rest holds up to two
+    different questions per chain in the multi-hop task's words, `Follow h links from A: Z`, each
+    about links that all made it into the row. Answering is a lookup by a key drawn for this row:
+    what the multi-hop and chain tasks need and a pass key's fixed phrase does not teach, here a
+    dozen times a row instead of once."""
+    ids = corpus.window(rng, length, prose)
+    answer = np.zeros(length, dtype=bool)
+    used = np.zeros(length, dtype=bool)
+    split = int(length * rng.uniform(0.4, 0.6))
+
+    def put(text: bytes, lo: int, hi: int) -> int | None:
+        for _ in range(16):
+            if hi - lo < len(text):
+                return None
+            at = int(rng.integers(lo, hi - len(text) + 1))
+            if not used[max(0, at - 1) : at + len(text) + 1].any():
+                ids[at : at + len(text)] = np.frombuffer(text, dtype=np.uint8)
+                used[at : at + len(text)] = True
+                return at
+        return None
+
+    codes: set[str] = set()
+    chains = [
+        [_link_code(rng, codes) for _ in range(int(rng.integers(2, 5)))] for _ in range(max(1, length // 256))
+    ]
+    links = [(a, b) for chain in chains for a, b in itertools.pairwise(chain)]
+    placed = {
+        link
+        for link in (links[i] for i in rng.permutation(len(links)))
+        if put(f"\n{link[0]} -> {link[1]}\n".encode(), 0, split) is not None
+    }
+    for chain in chains:
+        pairs = [(i, h) for i in range(len(chain) - 1) for h in range(1, len(chain) - i)]
+        for k in rng.permutation(len(pairs))[:2]:  # two different questions (a repeat is a copy)
+            i, h = pairs[k]
+            if not all(link in placed for link in itertools.pairwise(chain[i : i + h + 1])):
+                continue
+            question = f"\nFollow {h} links from {chain[i]}: "
+            at = put(f"{question}{chain[i + h]}\n".encode(), split, length)
+            if at is not None:
+                answer[at + len(question) : at + len(question) + len(chain[i + h])] = True
+    return ids, answer, used
+
+
+def _link_code(rng: np.random.Generator, used: set[str]) -> str:
+    while True:
+        code = bytes(COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), 4)]).decode()
+        if code not in used and not code.isdigit():
+            used.add(code)
+            return code
+
+
 def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
     """One random string of 10-40 bytes (upper case and digits) written again and again to fill
     `length`: ids [length] and the string's size. Every byte after the first repeat's first is a
@@ -281,6 +342,12 @@ class MixtureSampler:
                     targets[row, first : first + size] = 0.0
                     targets[row, repeat] = 0.0
                 targets[row, mask] = phase.copy_weight
+                continue
+            if kind == "lookup":
+                ids[row], answers, inserted = lookup_row(rng, self.corpus, length, prose)
+                targets[row, 1:] = 1.0
+                targets[row, inserted] = 0.0
+                targets[row, answers] = phase.copy_weight
                 continue
             if sample is None:
                 ids[row] = self.corpus.window(rng, length, prose)

@@ -23,7 +23,9 @@ class Mixture:
     the row (see :func:`replaykv.train.data.copy_row`): dense copy targets at distances inside
     and beyond the window, the skill every retrieval task is built on. `repeat` rows are one
     random string repeated to fill the row (see :func:`replaykv.train.data.repeat_row`):
-    nothing but in-window copying, for a first phase that forms the copying circuit."""
+    nothing but in-window copying, for a first phase that forms the copying circuit. `lookup` rows
+    hold link records and, after them, questions in the multi-hop task's words with their answers
+    (see :func:`replaykv.train.data.lookup_row`): many lookups by a random key per row."""
 
     text: float = 0.45
     passkey: float = 0.15
@@ -33,6 +35,7 @@ class Mixture:
     tool: float = 0.09
     copy: float = 0.0
     repeat: float = 0.0
+    lookup: float = 0.0
     prose_fraction: float = 0.3
 
     def __post_init__(self) -> None:
@@ -52,6 +55,7 @@ class Mixture:
             "tool": self.tool,
             "copy": self.copy,
             "repeat": self.repeat,
+            "lookup": self.lookup,  # last: a zero weight at the end leaves earlier phases' draws as they were
         }
 
 
@@ -86,7 +90,8 @@ class Phase:
     summation order; None: the whole batch at once). `answer_weight`: the loss weight of a task's
     answer (and train-span) tokens relative to a text token; a batch of 8 × 1,024 holds about
     5,000 text targets and 100 answer tokens, so at 1 the tasks are about 2% of the loss.
-    `copy_weight`: the loss weight of a copy row's repeated bytes (after each repeat's first).
+    `copy_weight`: the loss weight of a copy row's repeated bytes (after each repeat's first)
+    and of a lookup row's answers.
     `cycle`: row shapes (seq_len, batch, micro_batch) taken in turn, one per step (step k of the
     phase uses entry k mod len(cycle)), so that one phase keeps short rows beside long ones and a
     model trained on long rows still sees many short prompts; empty: every step is seq_len ×

@@ -132,10 +132,13 @@ SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550, 4850, 5150, 5450,
 # `min_lr`.
 SMALL_DECAY_END = 4550
 # The task phase: at step 3950 pass keys were retrieved at every depth of 1K and 2K prompts while
-# multi-hop lookups and variable chains stayed at chance, so multi-hop and chain rows go from a
-# quarter of the mixture to almost half, taken from passkey, text and copy rows.
+# multi-hop lookups and variable chains stayed at chance, one-link lookups too (5 of 20 held-out
+# cases with one link and four distractors, chance 4; a pass key is found by its fixed phrase, a
+# link only by its random code). So lookup rows join (a dozen answered questions about links per
+# row) and multi-hop and chain rows go from a quarter of the mixture to over a third, taken from
+# passkey, text and copy rows.
 TASK_MIXTURE = Mixture(
-    text=0.15, passkey=0.25, multihop=0.25, chain=0.20, extract=0.03, tool=0.03, copy=0.09
+    text=0.12, passkey=0.22, multihop=0.2, chain=0.18, extract=0.03, tool=0.03, copy=0.07, lookup=0.15
 )
 # The last phase's rows, one shape per step in turn (8,192 tokens each): after 4K rows alone
 # (2 a step, so 0.7 pass-key cases a step against 2.8 at 8 × 1,024) held-out keys beyond the

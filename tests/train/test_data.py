@@ -17,6 +17,7 @@ from replaykv.train.data import (
     copy_row,
     list_files,
     load_corpus,
+    lookup_row,
     repeat_row,
     split_of,
     stdlib_root,
@@ -159,6 +160,42 @@ def test_repeat_rows_fill_the_row_with_one_string_and_weigh_its_copies(corpus) -
         assert not t[: size + 1].any() and (t[size + 1 :] == first.copy_weight).all()
     later = MixtureSampler(corpus["train"], recipe, window=128).batch(first.steps)
     assert "repeat" not in later.kinds and later.ids.shape[1] == recipe.phases[1].seq_len
+
+
+def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> None:  # type: ignore[no-untyped-def]
+    record = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
+    question = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
+    rng = np.random.default_rng(11)
+    hops = set()
+    for _ in range(20):
+        ids, answers, inserted = lookup_row(rng, corpus["train"], 2048)
+        assert ids.shape == answers.shape == inserted.shape == (2048,) and not (answers & ~inserted).any()
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        links = {m.group(1): (m.group(2), m.end()) for m in record.finditer(text)}
+        asked = list(question.finditer(text))
+        assert len(links) >= 8 and len(asked) >= 8
+        expected = np.zeros(2048, dtype=bool)
+        for q in asked:
+            code, last_record = q.group(2), 0
+            for _ in range(int(q.group(1))):  # follow the links the row recorded
+                code, end = links[code]
+                last_record = max(last_record, end)
+            assert code == q.group(3) and last_record <= q.start()  # answerable when asked
+            expected[q.start(3) : q.end(3)] = True
+            hops.add(int(q.group(1)))
+        assert (answers == expected).all()
+        pairs = [(q.group(1), q.group(2)) for q in asked]
+        assert len(set(pairs)) == len(pairs)  # no question twice: a repeat would be a copy
+    assert hops == {1, 2, 3}
+
+    mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, lookup=1.0)
+    recipe = dataclasses.replace(tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=())
+    batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
+    assert batch.kinds == ("lookup", "lookup")
+    for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
+        at = np.flatnonzero(t == 5.0)
+        assert len(at) >= 8 and np.isin(ids[at], COPY_ALPHABET).all()
+        assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > 256
 
 
 def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
