@@ -193,15 +193,8 @@ def small() -> Recipe:
             _mixed("1k", steps=450, seq_len=1024, batch=8, micro_batch=4, index_topk=SMALL_EARLY_TOPK),
             _mixed("2k", steps=450, seq_len=2048, batch=4, micro_batch=2, index_topk=SMALL_EARLY_TOPK),
             _mixed("4k", steps=300, seq_len=4096, batch=2, micro_batch=1, index_topk=SMALL_EARLY_TOPK),
-            _mixed(
-                "lengths",
-                steps=1050,
-                seq_len=4096,
-                batch=2,
-                cycle=LENGTHS_CYCLE,
-                prompt_from=0.25,
-                index_topk=None,
-            ),
+            # the last phase of the first plan, then the task phase (the same row shapes)
+            _mixed("lengths", steps=1050, seq_len=4096, batch=2, cycle=LENGTHS_CYCLE, prompt_from=0.25),
             _mixed(
                 "tasks",
                 steps=1800,
