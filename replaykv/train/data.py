@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from replaykv.train.recipes import Recipe
-from replaykv.train.tasks import TASKS, TOKENIZER, TaskSample, generate
+from replaykv.train.tasks import TASKS, TOKENIZER, TaskSample, generate, link_code
 
 SPLITS = ("train", "heldout")
 _SPLIT_CODE = {"train": 0, "heldout": 1}
@@ -233,7 +233,7 @@ def lookup_row(
 
     codes: set[str] = set()
     chains = [
-        [_link_code(rng, codes) for _ in range(int(rng.integers(2, 5)))] for _ in range(max(1, length // 256))
+        [link_code(rng, codes) for _ in range(int(rng.integers(2, 5)))] for _ in range(max(1, length // 256))
     ]
     links = [(a, b) for chain in chains for a, b in itertools.pairwise(chain)]
     placed = {
@@ -252,14 +252,6 @@ def lookup_row(
             if at is not None:
                 answer[at + len(question) : at + len(question) + len(chain[i + h])] = True
     return ids, answer, used
-
-
-def _link_code(rng: np.random.Generator, used: set[str]) -> str:
-    while True:
-        code = bytes(COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), 4)]).decode()
-        if code not in used and not code.isdigit():
-            used.add(code)
-            return code
 
 
 def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:

@@ -138,7 +138,8 @@ def _place(
     return round(d * span)
 
 
-def _code(rng: np.random.Generator, used: set[str], n: int = 4) -> str:
+def link_code(rng: np.random.Generator, used: set[str], n: int = 4) -> str:
+    """A code of `n` upper-case letters or digits (not all digits) not in `used`, added to it."""
     alphabet = string.ascii_uppercase + string.digits
     while True:
         c = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), n))
@@ -221,9 +222,9 @@ def multihop(
     hops = int(rng.integers(1, 4)) if hops is None else hops
     distractors = int(rng.integers(2, 7)) if distractors is None else distractors
     used: set[str] = set()
-    chain = [_code(rng, used) for _ in range(hops + 1)]
+    chain = [link_code(rng, used) for _ in range(hops + 1)]
     records = [f"\n{a} -> {b}\n".encode() for a, b in itertools.pairwise(chain)]
-    records += [f"\n{_code(rng, used)} -> {_code(rng, used)}\n".encode() for _ in range(distractors)]
+    records += [f"\n{link_code(rng, used)} -> {link_code(rng, used)}\n".encode() for _ in range(distractors)]
     intro = b"Code links:\n"
     question = f"\nFollow {hops} links from {chain[0]}:"
     room = prompt_len - _USER_OVERHEAD - len(intro) - len(question)
@@ -432,7 +433,7 @@ def tool(
         while rounds > 1 and prompt_len < 90 * rounds + 80:  # about what a round needs
             rounds -= 1
     used: set[str] = set()
-    keys = [_code(rng, used).lower() for _ in range(rounds)]
+    keys = [link_code(rng, used).lower() for _ in range(rounds)]
     value = str(int(rng.integers(1000, 10000)))
     system = 'Tools: lookup(key) returns JSON. Call it as {"tool": "lookup", "key": K}.'
     ids = [TOKENIZER.bos_id, _special("system"), *_ids(system), _special("end")]
@@ -483,7 +484,7 @@ def _padded_result(rng: np.random.Generator, used: set[str], entry: str, extra: 
     others: list[str] = []
     size = len(entry) + 2
     while True:
-        e = f'"{_code(rng, used).lower()}": {int(rng.integers(1000, 10000))}'
+        e = f'"{link_code(rng, used).lower()}": {int(rng.integers(1000, 10000))}'
         if size + len(e) + 2 > len(entry) + 2 + extra:
             break
         others.append(e)
