@@ -97,7 +97,10 @@ class Indexer(nn.Module):
                 dots = F.relu_(dots).view(b, nq, self.n_heads, n_vis)
                 scores = torch.matmul(w[:, i0:i1, None, :], dots).squeeze(-2)  # [B, Q, N]
                 lim = limit[:, i0:i1, None]
-                scores = scores.masked_fill_(torch.arange(n_vis, device=x.device) >= lim, float("-inf"))
+                lo = step.common_entries(self.ratio, i0)  # entries [0, lo) are visible to all
+                if lo < n_vis:
+                    tail = torch.arange(lo, n_vis, device=x.device) >= lim
+                    scores[..., lo:].masked_fill_(tail, float("-inf"))
                 idx = topk_lowest_index(scores, min(k, n_vis))
                 out[:, i0:i1, : idx.shape[-1]] = idx.masked_fill_(idx >= lim, -1)
         return out
@@ -182,9 +185,10 @@ def joint_attention(
                 kc = entries[:, :n]
                 lc = torch.matmul(qb.reshape(b, nq * h, d), kc.transpose(1, 2)).view(b, nq, h, n).float()
                 lc = lc.mul_(scale)
-                if n and (nq > 1 or b > 1):
-                    vis = torch.arange(n, device=q.device) < limit[:, i0:i1, None]  # [B, Q, N]
-                    lc = lc.masked_fill_(~vis[:, :, None], float("-inf"))
+                lo = step.common_entries(ratio, i0)  # entries [0, lo) are visible to all
+                if n > lo:
+                    hide = torch.arange(lo, n, device=q.device) >= limit[:, i0:i1, None]  # [B, Q, N-lo]
+                    lc[..., lo:].masked_fill_(hide[:, :, None], float("-inf"))
             else:
                 sel = selection[:, i0:i1]
                 kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d))

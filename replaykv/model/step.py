@@ -135,6 +135,11 @@ class Step:
         """Largest number of entries any row's query `query` (0-based in the call) may see."""
         return max((p + query + 1) // ratio for p in self.start_host)
 
+    def common_entries(self, ratio: int, query: int) -> int:
+        """Number of entries that every row's query `query` and every later query may see: a
+        block of queries from `query` on needs a causal mask only on the entries after these."""
+        return min((p + query + 1) // ratio for p in self.start_host)
+
     def entry_blocks(self, ratio: int, per_entry: int, budget: int) -> Iterator[tuple[int, int, int]]:
         """Blocks of queries (i0, i1, visible entries at i1 - 1) such that block rows × visible
         entries × per_entry stays within `budget` (visible prefixes grow with position)."""
