@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     c = args.context
     with torch.inference_mode():
         r["prefill_flops"] = matmul_flops(lambda: runs.prefill(runs.fresh_view()))
-        prefill_s, decode_s, views = [], [], []
+        prefill_s, decode_s = [], []
         for _ in range(args.repeats):
             view = runs.fresh_view()
             t0 = time.perf_counter()
@@ -164,7 +164,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.decode_steps):
                 runs.decode(view, c + 1 + i)
             decode_s.append((time.perf_counter() - t0) / args.decode_steps)
-            views.append(view)
         r["prefill_s"], r["decode_s"] = prefill_s, decode_s
         view = runs.fresh_view()
         r["prefill_gemm_share"], r["prefill_top"] = gemm_share(lambda: runs.prefill(view))
