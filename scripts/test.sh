@@ -15,4 +15,4 @@ scripts/install.sh serve,test
 . .venv/bin/activate
 ruff check replaykv tests bench
 mypy replaykv bench
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"
