@@ -116,19 +116,36 @@ class Corpus:
         return arr[start : start + n]
 
 
+_LOADED: dict[tuple[str, int | None, int, int, tuple[str, ...]], dict[str, Corpus]] = {}
+
+
 def load_corpus(
     root: str | Path | None = None,
     max_files: int | None = None,
     seed: int = 0,
     heldout_percent: int = 5,
     splits: tuple[str, ...] = SPLITS,
+    cached: bool = True,
 ) -> dict[str, Corpus]:
     """The splits of the corpus under `root` (default: this Python's standard library), documents
     shuffled with `seed` (every recipe uses the default, so held-out cases are the same for all).
-    A split's contents do not depend on which other splits are loaded."""
+    A split's contents do not depend on which other splits are loaded.
+
+    With `cached`, the process reads a given (root, max_files, seed, heldout_percent, splits)
+    once and hands out the same read-only arrays afterwards (reading the standard library takes
+    seconds; a Corpus's arrays cannot be written to); `cached=False` reads the files again."""
+    base = Path(root) if root is not None else stdlib_root()
+    key = (str(base.resolve()), max_files, seed, heldout_percent, tuple(splits))
+    if not cached or key not in _LOADED:
+        _LOADED[key] = _read_corpus(base, max_files, seed, heldout_percent, splits)
+    return dict(_LOADED[key])
+
+
+def _read_corpus(
+    base: Path, max_files: int | None, seed: int, heldout_percent: int, splits: tuple[str, ...]
+) -> dict[str, Corpus]:
     import platform
 
-    base = Path(root) if root is not None else stdlib_root()
     parts: dict[str, tuple[list[bytes], list[bytes], hashlib._Hash, list[str]]] = {
         s: ([], [], hashlib.sha256(), []) for s in splits
     }

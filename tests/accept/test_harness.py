@@ -46,11 +46,13 @@ REPLAY = {
         {"name": "miss-work", "metric": "prefill_work_ratio", "states": ["miss"], "threshold": 0.5},
     ],
 }
+# The same criteria without the load passes, for tests that read only the quality verdicts.
+QUALITY_ONLY = {**REPLAY, "matrix": {**MATRIX, "concurrency": []}}
 # Replay off in both arms: every state must reproduce the cold path exactly.
 AA = {
     "name": "a-a",
     "stage": "baseline",
-    "matrix": MATRIX,
+    "matrix": {**MATRIX, "concurrency": []},
     "criteria": [
         {"name": "states-forced", "metric": "state_reached", "threshold": 1.0},
         {"name": "exact", "metric": "exact_match", "threshold": 1.0, "statistic": "point"},
@@ -121,10 +123,11 @@ def test_honest_candidate_passes_and_the_report_is_complete(
 def test_broken_candidates_fail_with_the_right_criteria(
     tmp_path: Path, model_dir: Path, fault: str, named: list[str]
 ) -> None:
-    assert failing(tmp_path, model_dir, REPLAY, fault) == named
-    code = accept_main(["--contract", str(contract_file(tmp_path, REPLAY)), "--model", str(model_dir),
+    code = accept_main(["--contract", str(contract_file(tmp_path, QUALITY_ONLY)), "--model", str(model_dir),
                         "--out", str(tmp_path / "cli"), "--inject-fault", fault])  # fmt: skip
     assert code == 1
+    report = json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert sorted(report["failing"]) == named and {r["phase"] for r in report["records"]} == {"quality"}
 
 
 def test_a_a_run_is_exact_and_catches_a_dropped_global_kv(tmp_path: Path, model_dir: Path) -> None:

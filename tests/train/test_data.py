@@ -53,12 +53,15 @@ def test_splits_are_disjoint_stable_and_cover_the_files(corpus) -> None:  # type
 
 
 def test_corpus_is_deterministic_and_shuffled_by_seed(corpus) -> None:  # type: ignore[no-untyped-def]
-    again = load_corpus(max_files=FILES, heldout_percent=25)
+    again = load_corpus(max_files=FILES, heldout_percent=25, cached=False)  # read the files again
     other = load_corpus(max_files=FILES, heldout_percent=25, seed=1)
     assert np.array_equal(again["train"].code, corpus["train"].code)
     assert len(other["train"].code) == len(corpus["train"].code)
     assert not np.array_equal(other["train"].code, corpus["train"].code)
     assert b"def " in corpus["train"].code.tobytes() and len(corpus["train"].prose) > 1000
+    assert again["train"].code is not corpus["train"].code  # a fresh read, not the cached arrays
+    cached = load_corpus(max_files=FILES, heldout_percent=25)
+    assert cached["train"].code is again["train"].code and not cached["train"].code.flags.writeable
 
 
 def test_batches_are_a_function_of_seed_and_step(corpus) -> None:  # type: ignore[no-untyped-def]
