@@ -25,7 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from replaykv.model import fused
-from replaykv.model.attention import _BLOCK_BUDGET, grouped_projection, index_dots, joint_attention
+from replaykv.model.attention import (
+    _BLOCK_BUDGET,
+    grouped_projection,
+    index_dots,
+    joint_attention,
+    sliced_scores,
+)
 from replaykv.model.cache_view import CacheView, LayerCacheView
 from replaykv.model.compressor import (
     Compressor,
@@ -86,6 +92,12 @@ class IndexerV41(nn.Module):
         k = self.k_norm(self.k_proj(cast(latents, self.k_proj.weight.dtype)))
         return mxfp4_index_fake_quant(apply_rope(k, cos, sin), enabled=self.quant)
 
+    def _scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h · relu(q_h · k) / sqrt(Di): q [B, Q, H, Di], w [B, Q, H], keys [B, N, Di] -> [B, Q, N]."""
+        b, nq, h, _ = q.shape
+        dots = F.relu_(index_dots(q, keys)).mul_(self.head_dim**-0.5)
+        return (dots.view(b, nq, h, keys.shape[1]) * w[..., None]).sum(dim=2)
+
     def select(
         self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, step: Step, selection: Selection
     ) -> None:
@@ -105,12 +117,12 @@ class IndexerV41(nn.Module):
         cands = torch.full((b, s, n_cand), -1, dtype=torch.long, device=x.device) if n_cand else None
         for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):
             if n_vis > 0:
-                nq = i1 - i0
-                dots = index_dots(q[:, i0:i1], keys_f[:, :n_vis])
-                dots = F.relu_(dots).mul_(self.head_dim**-0.5).view(b, nq, self.n_heads, n_vis)
-                scores = (dots * w[:, i0:i1, :, None]).sum(dim=2)  # [B, Q, N]
+                scores = sliced_scores(self._scores, q[:, i0:i1], w[:, i0:i1], keys_f[:, :n_vis])  # [B, Q, N]
                 lim = limit[:, i0:i1, None]
-                scores = scores.masked_fill_(torch.arange(n_vis, device=x.device) >= lim, float("-inf"))
+                lo = step.common_entries(self.ratio, i0)  # entries [0, lo) are visible to all
+                if lo < n_vis:
+                    tail = torch.arange(lo, n_vis, device=x.device) >= lim
+                    scores[..., lo:].masked_fill_(tail, float("-inf"))
                 if cands is not None:
                     picked = self._candidates(scores, lim)
                     cands[:, i0:i1, : picked.shape[-1]] = picked

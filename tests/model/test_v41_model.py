@@ -142,6 +142,24 @@ def test_chunked_and_decode_equal_one_shot(schedule: str) -> None:
             assert torch.equal(got, as_mask(rec_one[layer][0][0][0], n)), f"layer {layer} selections"
 
 
+def test_index_scores_in_slices_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The indexers score their entries in slices of attention.INDEX_SLICE: slices of 5 entries
+    give the one-piece logits and selections exactly, one shot and in chunks then decode."""
+    import replaykv.model.attention as attention
+
+    model = make_model("three_sources", quant=True)
+    torch.manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 90))
+    rec_whole: dict = {}
+    whole = run(model, ids, [90], rec_whole)
+    monkeypatch.setattr(attention, "INDEX_SLICE", 5)
+    rec_sliced: dict = {}
+    assert torch.equal(run(model, ids, [90], rec_sliced), whole)
+    for layer, calls in rec_whole.items():
+        assert torch.equal(calls[0][0], rec_sliced[layer][0][0]), f"layer {layer} selections"
+    assert torch.equal(run(model, ids, [37, 13] + [1] * 40), whole)
+
+
 def test_ratio2_entries_appear_at_odd_positions() -> None:
     model = make_model("checklist", quant=False)
     spec = ModelSpec.from_config(model.config)

@@ -69,6 +69,20 @@ def test_prefill_then_64_decode_steps(pair) -> None:  # type: ignore[no-untyped-
     assert diff <= TOL, diff
 
 
+def test_index_scores_in_slices_against_transformers(pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The indexer scores its entries in slices (attention.INDEX_SLICE); slices of 7 entries
+    (up to 8 per block here) give the one-piece logits bit for bit, one shot and with decode."""
+    import replaykv.model.attention as attention
+
+    _, _, ours, ids, ref = pair
+    decode = [SEQ - 16] + [1] * 16
+    whole, whole_decode = run_chunks(ours, ids, [SEQ]), run_chunks(ours, ids, decode)
+    monkeypatch.setattr(attention, "INDEX_SLICE", 7)
+    assert torch.equal(run_chunks(ours, ids, [SEQ]), whole)
+    sliced = run_chunks(ours, ids, decode)
+    assert torch.equal(sliced, whole_decode) and (sliced - ref).abs().max().item() <= TOL
+
+
 def test_batch_rows_at_different_positions(pair) -> None:  # type: ignore[no-untyped-def]
     """Two rows, one 37 tokens ahead of the other, decoded together in one batch."""
     _, hf, ours, ids, ref = pair
