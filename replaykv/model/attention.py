@@ -163,9 +163,11 @@ def joint_attention(
     w = window
     scale = d**-0.5
     out = torch.empty_like(q)
-    win_pos = step.start[:, None] + torch.arange(1 - w, s, device=q.device)
-    key_ok = win_pos >= step.floors[:, None].clamp(min=0)  # [B, W-1+S]
     all_ok = step.window_unclipped(w)
+    key_ok = None  # [B, W-1+S]: which window rows are readable, needed only when some are not
+    if not all_ok:
+        win_pos = step.start[:, None] + torch.arange(1 - w, s, device=q.device)
+        key_ok = win_pos >= step.floors[:, None].clamp(min=0)
     if entries is not None and entries.shape[1] == 0:
         entries = None  # nothing is visible yet (an all -inf branch adds exactly nothing)
     limit = None if entries is None else causal_entry_limit(step.positions, ratio)
@@ -190,7 +192,7 @@ def joint_attention(
         if fused_blocks:  # training with the fused forms: the block as one compiled function
             kw = win_keys[:, i0 : i1 + w - 1]
             band_out = outside[:nq, : nq + w - 1]
-            mask = band_out[None] if all_ok else band_out[None] | ~key_ok[:, None, i0 : i1 + w - 1]
+            mask = band_out[None] if key_ok is None else band_out[None] | ~key_ok[:, None, i0 : i1 + w - 1]
             kc, entry_masked, gathered = _block_entries(
                 qb, step, entries, limit, ratio, selection, i0, i1, n_sel
             )
@@ -201,14 +203,14 @@ def joint_attention(
             lw = torch.matmul(qb.reshape(b, nq * h, d), kw.transpose(1, 2)).float().mul_(scale)
             lw = lw.view(b, nq, h, nq + w - 1)
             band_out = outside[:nq, : nq + w - 1]  # a shorter last block: the same top-left corner
-            mask = band_out[None] if all_ok else band_out[None] | ~key_ok[:, None, i0 : i1 + w - 1]
+            mask = band_out[None] if key_ok is None else band_out[None] | ~key_ok[:, None, i0 : i1 + w - 1]
             lw = lw.masked_fill_(mask[:, :, None], float("-inf"))
         else:
             # Every query reads exactly its W window keys, in position order, with fixed-size
             # reductions: the result of a query does not depend on how the sequence was chunked.
             kw = win_keys[:, i0 : i1 + w - 1].unfold(1, w, 1).contiguous()  # [B, Q, D, W]
             lw = torch.matmul(qb, kw).float().mul_(scale)  # [B, Q, H, W]
-            if not all_ok:
+            if key_ok is not None:
                 ok = key_ok[:, i0 : i1 + w - 1].unfold(1, w, 1)  # [B, Q, W]
                 lw = lw.masked_fill_(~ok[:, :, None], float("-inf"))
         mx = torch.maximum(lw.amax(dim=-1), sink)  # [B, Q, H]

@@ -91,12 +91,24 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
+    def _scales(self) -> torch.Tensor:
+        """One scale per output: (pre ×n, post ×n, comb ×n²), applied with the bias as one
+        elementwise pass. Without autograd it is kept until `scale` changes (version counter)."""
+        n, scale = self.hc_mult, self.scale
+        if torch.is_grad_enabled() and scale.requires_grad:
+            return scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
+        key = (scale._version, scale.data_ptr(), scale.device)
+        if getattr(self, "_scales_key", None) != key:
+            with torch.no_grad():
+                self._scales_cached = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
+            self._scales_key = key
+        return self._scales_cached
+
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (float32)."""
         n = self.hc_mult
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        # One scale per output: (pre ×n, post ×n, comb ×n²), then the bias, as one elementwise pass.
-        scales = self.scale.repeat_interleave(torch.tensor([n, n, n * n], device=self.scale.device))
+        scales = self._scales()
         z = linear(flat, self.fn) * scales + self.base
         pre_z, post_z, comb_z = z.split([n, n, n * n], dim=-1)
         pre = torch.sigmoid(pre_z) + self.hc_eps
