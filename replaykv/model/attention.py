@@ -27,7 +27,15 @@ from replaykv.model.compressor import (
     write_ring,
 )
 from replaykv.model.config import DeepseekV4Config
-from replaykv.model.layers import MIN_GEMM_ROWS, Linear, RMSNorm, cast, unweighted_rms_norm
+from replaykv.model.layers import (
+    MIN_GEMM_ROWS,
+    VECTOR_RUN,
+    Linear,
+    RMSNorm,
+    cast,
+    rowwise,
+    unweighted_rms_norm,
+)
 from replaykv.model.rope import apply_rope
 from replaykv.model.step import Step
 
@@ -116,10 +124,10 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """Top-k compressed entries per query, -1 where fewer are visible.
 
-        x [B, S, hidden], q_res [B, S, q_lora], keys [B, N, Di] (rotated) -> [B, S, min(topk, N)].
+        x [B, S, hidden], q_res [B, S, q_lora], keys [B, N, Di] (rotated) -> [B, S, topk].
         """
         b, s, _ = x.shape
-        k = min(self.topk, keys.shape[1])
+        k = self.topk  # a fixed width (-1 padded): attention reductions do not depend on the call
         q = self.q_b_proj(q_res).view(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, *step.rope.heads(rope_kind)).float()
         # Head weights with the score scale folded in: sum_h w_h * relu(q_h . k) / sqrt(Di).
@@ -185,8 +193,13 @@ def joint_attention(
     if band:  # [Q, Q+W-1]: True where row j lies outside query i's window rows [i, i + W - 1]
         rows = torch.arange(q_step + w - 1, device=q.device)
         outside = (rows < rows[:q_step, None]) | (rows >= rows[:q_step, None] + w)
-    for i0 in range(0, s, q_step):
-        i1 = min(s, i0 + q_step)
+    # Without gradients, a dense layer's blocks end where a query sees one more entry, so every
+    # query reduces over exactly its own visible entries (a decode step's width): with the
+    # padded products below, its row does not depend on the block or the chunk it ran in.
+    split = ratio if (entries is not None and selection is None and not band) else 0
+    # ... and every exponential runs in the same vector code for a row whatever rows come with it
+    exp = torch.exp if band else _rowwise_exp
+    for i0, i1 in _query_blocks(step, s, q_step, split):
         nq = i1 - i0
         qb = q[:, i0:i1]  # [B, Q, H, D]
         if fused_blocks:  # training with the fused forms: the block as one compiled function
@@ -219,12 +232,16 @@ def joint_attention(
             if selection is None:
                 n = step.visible_entries(ratio, i1 - 1)
                 kc = entries[:, :n]
-                lc = torch.matmul(qb.reshape(b, nq * h, d), kc.transpose(1, 2)).view(b, nq, h, n).float()
+                lc = index_dots(qb, kc).view(b, nq, h, n).float()  # rows padded: see `split`
                 lc = lc.mul_(scale)
                 lo = step.common_entries(ratio, i0)  # entries [0, lo) are visible to all
                 if n > lo:
                     hide = torch.arange(lo, n, device=q.device) >= limit[:, i0:i1, None]  # [B, Q, N-lo]
                     lc[..., lo:].masked_fill_(hide[:, :, None], float("-inf"))
+                pad = 0 if band else -n % VECTOR_RUN
+                if pad:  # a width of whole vector runs, read as no entry: see `rowwise`
+                    lc = F.pad(lc, (0, pad), value=float("-inf"))
+                    kc = F.pad(kc, (0, 0, 0, pad))
             else:
                 sel = selection[:, i0:i1]
                 kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d))
@@ -233,21 +250,36 @@ def joint_attention(
                 lc = lc.mul_(scale).masked_fill_((sel < 0)[:, :, None], float("-inf"))
             if lc.shape[-1]:
                 mx = torch.maximum(mx, lc.amax(dim=-1))
-        pw = torch.exp(lw - mx[..., None])
-        den = pw.sum(dim=-1) + torch.exp(sink - mx)
+        pw = exp(lw - mx[..., None])
+        den = pw.sum(dim=-1) + exp(sink - mx)
         if band:
             o = torch.matmul(cast(pw, q.dtype).view(b, nq * h, -1), kw).view(b, nq, h, d)
         else:
             o = torch.matmul(cast(pw, q.dtype), kw.transpose(-1, -2))  # [B, Q, H, D]
         if lc is not None and kc is not None and lc.shape[-1]:
-            pc = torch.exp(lc - mx[..., None])
+            pc = exp(lc - mx[..., None])
             den = den + pc.sum(dim=-1)
             if selection is None:
-                o = o + torch.matmul(cast(pc, q.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
+                o = o + row_stable_bmm(cast(pc, q.dtype).view(b, nq * h, -1), kc).view(b, nq, h, d)
             else:
                 o = o + torch.bmm(cast(pc, q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
         out[:, i0:i1] = o / cast(den[..., None], q.dtype)
     return out
+
+
+def _rowwise_exp(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(torch.exp, x)
+
+
+def _query_blocks(step: Step, s: int, q_step: int, ratio: int) -> list[tuple[int, int]]:
+    """Blocks [i0, i1) of at most q_step queries; with `ratio`, also cut before every query at
+    which some row's visible entries grow (position p + i with (p + i + 1) % ratio == 0)."""
+    cuts = set(range(0, s, q_step))
+    if ratio:
+        for p in set(step.start_host):
+            cuts.update(range((-(p + 1)) % ratio, s, ratio))
+    edges = [*sorted(cuts - {0}), s]
+    return list(zip([0, *edges[:-1]], edges, strict=True))
 
 
 def _block_entries(

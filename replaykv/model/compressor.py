@@ -220,16 +220,20 @@ def _nudged(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last axis, ties broken by the lower index, in
     that order (score descending, then index ascending; NaN ranks above every number). With
-    k >= N every index, in top-k's order.
+    k >= N every index, in that order.
 
     scores: [..., N] float32 (or narrower); returns [..., k] long. One top-(k+1) pass finds a
     row's k-th best score t. When the next score is strictly below t the k found are the set;
     on a tie across the edge of the set it is every score above t and the lowest-indexed of
-    those equal to t; a row holding NaN is ranked whole. The k chosen are ordered by `_nudged`.
+    those equal to t; a row holding NaN is ranked whole. The k chosen are ordered by `_nudged`,
+    and so are all N when k >= N.
     """
     n = scores.shape[-1]
-    if k == 0 or k >= n:
-        return torch.topk(scores, min(k, n), dim=-1).indices
+    if k == 0:
+        return torch.topk(scores, 0, dim=-1).indices
+    if k >= n:  # every index, in the same rank order as below (the order attention sums in)
+        every = torch.arange(n, device=scores.device).expand(scores.shape)
+        return every.gather(-1, _nudged(scores, every).argsort(dim=-1, descending=True, stable=True))
     vals, idx = torch.topk(scores, k + 1, dim=-1)
     nan = torch.isnan(vals[..., 0]).reshape(-1)  # top-k ranks NaN first
     tied = ~(vals[..., k - 1] > vals[..., k]).reshape(-1) & ~nan

@@ -6,6 +6,7 @@ Not for: attention or caches (see :mod:`replaykv.model.attention`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,23 @@ from replaykv.model.config import DeepseekV4Config
 # differently; padding small inputs to this many rows makes a row's value independent of the
 # rows it came with (decode steps, small chunks, an expert that got few tokens).
 MIN_GEMM_ROWS = 16
+
+
+# CPU kernels run an elementwise function in vector code over runs of 32 floats (two AVX-512
+# or four AVX2 registers) and in scalar code over what is left at the end of a contiguous
+# tensor, and the two round transcendental functions differently: a row whose width is not a
+# multiple of 32 would get other bits alone (a decode step) than among other rows.
+VECTOR_RUN = 32
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, each row (last axis) computed the same whatever rows come
+    with it: rows of a width that is not a multiple of `VECTOR_RUN` are padded (with zeros) to
+    one, so every element runs in the vector code."""
+    pad = -x.shape[-1] % VECTOR_RUN
+    if pad == 0:
+        return fn(x.contiguous())
+    return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]]
 
 
 def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> tuple[torch.Tensor, int]:
@@ -231,7 +249,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        pre = torch.sigmoid(linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        pre = rowwise(torch.sigmoid, linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
         return hc_collapse(streams, pre + self.eps)
 
 
@@ -332,7 +350,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], input_ids [T] -> (indices [T, k], weights [T, k])."""
-        scores = F.softplus(linear(x, self.weight)).sqrt()
+        scores = rowwise(F.softplus, linear(x, self.weight)).sqrt()
         if self.hashed:
             indices = self.tid2eid[input_ids].long()
         else:
@@ -392,7 +410,7 @@ class RouterV41(nn.Module):
         logits = linear(cast(x, torch.float32), cast(self.weight, torch.float32))
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
-        scores = F.softplus(logits).sqrt()
+        scores = rowwise(F.softplus, logits).sqrt()
         bias = self.e_score_correction_bias
         if image is not None:
             bias = torch.where(image[:, None], self.e_score_correction_bias_vl, bias)

@@ -39,7 +39,12 @@ def rope_table(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
     rotation is x * cos + swap_pairs(x) * sin.
     """
     angles = positions[..., None].float() * freqs
-    cos, sin = angles.cos(), angles.sin()
+    # In float64, rounded to float32: a CPU computes sin and cos in library routines whose last
+    # bits depend on where an element sits in the array, so one position alone (a decode step)
+    # and among others could differ by an ulp in float32; a float64 result rounds to the same
+    # float32 unless it lies within 2^-29 relative of a rounding boundary.
+    wide = angles.double()
+    cos, sin = wide.cos().float(), wide.sin().float()
     return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 

@@ -61,6 +61,36 @@ def test_topk_lowest_index_edges() -> None:
     assert topk_lowest_index(x, 2).tolist() == [[0, 2]]  # a tie across the edge: lowest first
     assert topk_lowest_index(x, 4).tolist() == [[0, 2, 4, 3]]
     assert topk_lowest_index(x, 0).shape == (1, 0)
-    assert sorted(topk_lowest_index(x, 5).tolist()[0]) == [0, 1, 2, 3, 4]  # k >= N: every index
+    assert topk_lowest_index(x, 5).tolist() == [[0, 2, 4, 3, 1]]  # k >= N: every index, ranked
+    assert topk_lowest_index(x, 9).tolist() == [[0, 2, 4, 3, 1]]
     # -0.0 and 0.0 are one score
     assert topk_lowest_index(torch.tensor([[-1.0, 0.0, -0.0, 0.0]]), 2).tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("width", [1, 5, 8, 31, 32, 45])
+def test_rowwise_gives_a_row_the_same_bits_alone_and_among_rows(width: int) -> None:
+    """Elementwise exponentials run in vector code on runs of 32 floats and in scalar code on
+    what is left at the end of a tensor; `rowwise` gives a row the bits it gets among other rows
+    when it comes alone (a decode step)."""
+    from replaykv.model.layers import rowwise
+
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(203, width, generator=gen) * 4
+    x[7, 0] = float("-inf")
+    for fn in (torch.exp, torch.sigmoid, torch.nn.functional.softplus):
+        together = rowwise(fn, x)
+        assert together.shape == x.shape
+        alone = torch.cat([rowwise(fn, x[i : i + 1]) for i in range(x.shape[0])])
+        assert torch.equal(together, alone), fn
+        assert torch.allclose(together, fn(x), rtol=1e-6, atol=0)  # the function's value
+
+
+def test_rope_tables_of_a_position_alone_equal_its_tables_among_others() -> None:
+    from replaykv.model.rope import rope_table
+
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    positions = torch.arange(0, 200_000, 997)[None]
+    cos, sin = rope_table(freqs, positions)
+    for i in range(positions.shape[1]):
+        c, s = rope_table(freqs, positions[:, i : i + 1])
+        assert torch.equal(c[0, 0], cos[0, i]) and torch.equal(s[0, 0], sin[0, i]), int(positions[0, i])

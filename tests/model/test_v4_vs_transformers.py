@@ -67,6 +67,7 @@ def test_prefill_then_64_decode_steps(pair) -> None:  # type: ignore[no-untyped-
     out = run_chunks(ours, ids, [SEQ - 64] + [1] * 64)
     diff = (out - ref).abs().max().item()
     assert diff <= TOL, diff
+    assert torch.equal(out, run_chunks(ours, ids, [SEQ]))  # and the one-shot rows, bit for bit
 
 
 def test_index_scores_in_slices_against_transformers(pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]

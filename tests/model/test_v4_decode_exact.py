@@ -1,0 +1,37 @@
+"""DeepSeek-V4 `tiny` (the benchmarks' model, real 128-token window): decode steps and ragged
+chunks reproduce the one-shot prefill rows bit for bit, across heavily compressed (dense) entries
+and the router's softplus, whose rows are padded to whole vector runs (layers.rowwise)."""
+
+from __future__ import annotations
+
+import torch
+
+from replaykv.cache.views import advance, allocate_view
+from replaykv.model.init import init_weights
+from replaykv.model.presets import v4_tiny
+from replaykv.model.spec import ModelSpec
+from replaykv.model.v4 import DeepseekV4ForCausalLM
+
+
+def test_decode_and_chunks_reproduce_one_shot_rows() -> None:
+    model = init_weights(DeepseekV4ForCausalLM(v4_tiny()).eval(), seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+    s = 300  # two heavily compressed entries (ratio 128) and a quarter of them visible at decode
+    ids = torch.randint(0, model.config.vocab_size, (1, s), generator=torch.Generator().manual_seed(5))
+
+    def run(chunks: list[int]) -> torch.Tensor:
+        view = allocate_view(ModelSpec.from_config(model.config), 1, s)
+        outs, pos = [], 0
+        with torch.inference_mode():
+            for c in chunks:
+                outs.append(model(ids[:, pos : pos + c], view))
+                advance(view, c)
+                pos += c
+        return torch.cat(outs, dim=1)
+
+    one = run([s])
+    assert torch.equal(run([s - 50] + [1] * 50), one)  # decode across entry 2's completion at 255
+    assert torch.equal(run([100, 37, 3, 111, 1, 48]), one)
