@@ -66,8 +66,11 @@ def sliced_scores(
     n = keys.shape[1]
     if n <= INDEX_SLICE:
         return score(q, w, keys)
-    slices = range(0, n, INDEX_SLICE)
-    return torch.cat([score(q, w, keys[:, c0 : c0 + INDEX_SLICE]) for c0 in slices], dim=-1)
+    starts = list(range(0, n, INDEX_SLICE))
+    if n - starts[-1] < MIN_GEMM_COLS:  # a narrow last slice joins the one before (see index_dots)
+        starts.pop()
+    ends = [*starts[1:], n]
+    return torch.cat([score(q, w, keys[:, c0:c1]) for c0, c1 in zip(starts, ends, strict=True)], dim=-1)
 
 
 def row_stable_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -80,11 +83,20 @@ def row_stable_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(padded, b)[:, :m]
 
 
+# BLAS computes a product of fewer than this many columns with other kernels than a wider one
+# (on an AVX2 machine, 11 columns or fewer round differently); narrower key sets are padded.
+MIN_GEMM_COLS = 16
+
+
 def index_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [B, Q, H, Di] . keys [B, N, Di] -> [B, Q*H, N], rows padded (`row_stable_bmm`) so a
-    query's scores do not depend on the block it was scored in."""
+    """q [B, Q, H, Di] . keys [B, N, Di] -> [B, Q*H, N], rows (`row_stable_bmm`) and columns
+    (zero keys, dropped) padded so a query's score of an entry depends on neither the block it
+    was scored in nor how many entries were scored with it."""
     b, nq, h, di = q.shape
-    return row_stable_bmm(q.reshape(b, nq * h, di), keys.transpose(1, 2))
+    n = keys.shape[1]
+    if 0 < n < MIN_GEMM_COLS:
+        keys = F.pad(keys, (0, 0, 0, MIN_GEMM_COLS - n))
+    return row_stable_bmm(q.reshape(b, nq * h, di), keys.transpose(1, 2))[..., :n]
 
 
 class IndexScorer(nn.Module):
@@ -232,16 +244,17 @@ def joint_attention(
             if selection is None:
                 n = step.visible_entries(ratio, i1 - 1)
                 kc = entries[:, :n]
-                lc = index_dots(qb, kc).view(b, nq, h, n).float()  # rows padded: see `split`
+                pad = 0 if band else -n % VECTOR_RUN
+                if pad:  # a width of whole vector runs (see `rowwise`), the padding read as no entry
+                    kc = F.pad(kc, (0, 0, 0, pad))
+                lc = index_dots(qb, kc).view(b, nq, h, n + pad).float()  # rows padded: see `split`
                 lc = lc.mul_(scale)
                 lo = step.common_entries(ratio, i0)  # entries [0, lo) are visible to all
                 if n > lo:
                     hide = torch.arange(lo, n, device=q.device) >= limit[:, i0:i1, None]  # [B, Q, N-lo]
-                    lc[..., lo:].masked_fill_(hide[:, :, None], float("-inf"))
-                pad = 0 if band else -n % VECTOR_RUN
-                if pad:  # a width of whole vector runs, read as no entry: see `rowwise`
-                    lc = F.pad(lc, (0, pad), value=float("-inf"))
-                    kc = F.pad(kc, (0, 0, 0, pad))
+                    lc[..., lo:n].masked_fill_(hide[:, :, None], float("-inf"))
+                if pad:
+                    lc[..., n:] = float("-inf")
             else:
                 sel = selection[:, i0:i1]
                 kc = entries.gather(1, sel.clamp(min=0).flatten(1)[..., None].expand(-1, -1, d))
