@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from replaykv.cache.views import advance, allocate_view
 from replaykv.model.init import init_weights
 from replaykv.model.presets import v4_tiny
-from replaykv.model.spec import ModelSpec
 from replaykv.model.v4 import DeepseekV4ForCausalLM
+from tests.model.test_v4_vs_transformers import run_chunks
 
 
 def test_decode_and_chunks_reproduce_one_shot_rows() -> None:
@@ -22,16 +21,6 @@ def test_decode_and_chunks_reproduce_one_shot_rows() -> None:
     s = 300  # two heavily compressed entries (ratio 128) and a quarter of them visible at decode
     ids = torch.randint(0, model.config.vocab_size, (1, s), generator=torch.Generator().manual_seed(5))
 
-    def run(chunks: list[int]) -> torch.Tensor:
-        view = allocate_view(ModelSpec.from_config(model.config), 1, s)
-        outs, pos = [], 0
-        with torch.inference_mode():
-            for c in chunks:
-                outs.append(model(ids[:, pos : pos + c], view))
-                advance(view, c)
-                pos += c
-        return torch.cat(outs, dim=1)
-
-    one = run([s])
-    assert torch.equal(run([s - 50] + [1] * 50), one)  # decode across entry 2's completion at 255
-    assert torch.equal(run([100, 37, 3, 111, 1, 48]), one)
+    one = run_chunks(model, ids, [s])
+    assert torch.equal(run_chunks(model, ids, [s - 50] + [1] * 50), one)  # across entry 2's completion at 255
+    assert torch.equal(run_chunks(model, ids, [100, 37, 3, 111, 1, 48]), one)
