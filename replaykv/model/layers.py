@@ -117,7 +117,7 @@ class HyperConnection(nn.Module):
             return scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
         key = (scale._version, scale.data_ptr(), scale.device)
         if getattr(self, "_scales_key", None) != key:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor: autograd may save it
                 self._scales_cached = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
             self._scales_key = key
         return self._scales_cached

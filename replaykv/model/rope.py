@@ -56,7 +56,8 @@ def _pair_swap(r: int, device: torch.device) -> torch.Tensor:
     operations per call; built once per size and device)."""
     key = (r, device)
     if key not in _SWAPS:
-        _SWAPS[key] = torch.arange(r, device=device).view(-1, 2).flip(-1).flatten()
+        with torch.inference_mode(False):  # a normal tensor, usable by autograd later
+            _SWAPS[key] = torch.arange(r, device=device).view(-1, 2).flip(-1).flatten()
     return _SWAPS[key]
 
 

@@ -24,3 +24,23 @@ def test_decode_and_chunks_reproduce_one_shot_rows() -> None:
     one = run_chunks(model, ids, [s])
     assert torch.equal(run_chunks(model, ids, [s - 50] + [1] * 50), one)  # across entry 2's completion at 255
     assert torch.equal(run_chunks(model, ids, [100, 37, 3, 111, 1, 48]), one)
+
+
+def test_a_training_forward_after_an_inference_forward_records_autograd() -> None:
+    """Tables the model keeps across calls (RoPE's pair swap, an mHC site's scales) are built as
+    normal tensors even inside inference mode, so a later forward with autograd can save them."""
+    from replaykv.cache.views import advance, allocate_view
+    from replaykv.model.spec import ModelSpec
+
+    model = init_weights(DeepseekV4ForCausalLM(v4_tiny()), seed=1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    spec = ModelSpec.from_config(model.config)
+    with torch.inference_mode():
+        model(ids, allocate_view(spec, 1, 40))
+    for p in model.parameters():
+        p.requires_grad_(p.dim() == 1)  # only the vectors (mHC scales among them) learn
+    view = allocate_view(spec, 1, 40)
+    model(ids, view).float().square().mean().backward()
+    advance(view, 40)
+    hc = model.model.layers[0].attn_hc
+    assert hc.scale.grad is not None and bool(hc.scale.grad.abs().sum() > 0)
