@@ -10,6 +10,7 @@ Not for: allocating caches (the caller passes a :class:`LayerCacheView`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -94,8 +95,9 @@ def index_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     was scored in nor how many entries were scored with it."""
     b, nq, h, di = q.shape
     n = keys.shape[1]
-    if 0 < n < MIN_GEMM_COLS:
-        keys = F.pad(keys, (0, 0, 0, MIN_GEMM_COLS - n))
+    if n == 0 or n >= MIN_GEMM_COLS:
+        return row_stable_bmm(q.reshape(b, nq * h, di), keys.transpose(1, 2))
+    keys = F.pad(keys, (0, 0, 0, MIN_GEMM_COLS - n))
     return row_stable_bmm(q.reshape(b, nq * h, di), keys.transpose(1, 2))[..., :n]
 
 
@@ -210,7 +212,7 @@ def joint_attention(
     # padded products below, its row does not depend on the block or the chunk it ran in.
     split = ratio if (entries is not None and selection is None and not band) else 0
     # ... and every exponential runs in the same vector code for a row whatever rows come with it
-    exp = torch.exp if band else _rowwise_exp
+    exp = torch.exp if band else functools.partial(rowwise, torch.exp)
     for i0, i1 in _query_blocks(step, s, q_step, split):
         nq = i1 - i0
         qb = q[:, i0:i1]  # [B, Q, H, D]
@@ -278,10 +280,6 @@ def joint_attention(
                 o = o + torch.bmm(cast(pc, q.dtype).view(b * nq, h, -1), kc).view(b, nq, h, d)
         out[:, i0:i1] = o / cast(den[..., None], q.dtype)
     return out
-
-
-def _rowwise_exp(x: torch.Tensor) -> torch.Tensor:
-    return rowwise(torch.exp, x)
 
 
 def _query_blocks(step: Step, s: int, q_step: int, ratio: int) -> list[tuple[int, int]]:
