@@ -56,9 +56,13 @@ def _descendants(evt: Any) -> list[Any]:
 
 
 def count_layers(
-    model: DeepseekV41ForCausalLM, run: Callable[[], None], device: torch.device
+    model: DeepseekV41ForCausalLM,
+    run: Callable[[], None],
+    device: torch.device,
+    names: dict[int, Counter[str]] | None = None,
 ) -> dict[int, dict[str, int]]:
-    """Per layer index: ops, CUDA kernels and host reads of one call of `run`."""
+    """Per layer index: ops, CUDA kernels and host reads of one call of `run` (and, into `names`
+    when given, how many of each top-level operator the layer dispatched)."""
     open_ranges: dict[int, Any] = {}
     handles = []
     for i, layer in enumerate(model.model.layers):
@@ -91,6 +95,9 @@ def count_layers(
             reads = sum(1 for k in kernels if "DtoH" in k.name)
         else:
             reads = sum(1 for e in inside if e.name == "aten::_local_scalar_dense")
+        if names is not None:
+            top = [c.name for c in evt.cpu_children if not c.name.startswith("layer:")]
+            names[int(evt.name.split(":")[1])] = Counter(top)
         counts[int(evt.name.split(":")[1])] = {
             "ops": sum(1 for c in evt.cpu_children if not c.name.startswith("layer:")),
             "cuda_kernels": sum(1 for k in kernels if "Memcpy" not in k.name and "Memset" not in k.name),
@@ -165,7 +172,11 @@ def main() -> int:
         def decode() -> None:
             model(ids[:, pos : pos + 1], view, logits_rows="last")
 
-        result["decode"] = by_role(model, count_layers(model, decode, device))
+        decode_names: dict[int, Counter[str]] = {}
+        result["decode"] = by_role(model, count_layers(model, decode, device, decode_names))
+        reuse = result["decode"].get("reuse", {}).get("layers", [])
+        if reuse:
+            result["decode_reuse_ops"] = dict(decode_names[reuse[0]].most_common())
         if device.type == "cuda":
             result["cuda_graph_decode"] = try_cuda_graph(decode)
     print(
@@ -183,6 +194,9 @@ def main() -> int:
                 f"| {phase} | {role} | {','.join(map(str, r['layers']))} | {vals['ops']} | "
                 f"{vals['cuda_kernels'] if device.type == 'cuda' else '-'} | {vals['host_reads']} | {ds} |"
             )
+    if "decode_reuse_ops" in result:
+        ops = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in result["decode_reuse_ops"].items())
+        print(f"operators of a Reuse layer's decode step (layer {result['decode']['reuse']['layers'][0]}): {ops}")
     if "cuda_graph_decode" in result:
         print(f"CUDA-graph capture of the decode step: {result['cuda_graph_decode']}")
     if args.json:

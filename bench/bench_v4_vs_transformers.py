@@ -1,11 +1,19 @@
 """replaykv versus transformers on the same tiny DeepSeek-V4 config and the same tokens.
 
-Prefill at 1K / 4K / 8K / 16K tokens for both, 32K and 128K for replaykv alone, and 128 decode
-steps after a 16K prefill. Every measurement runs in its own child process so its peak memory
-(the process's peak resident set above its level just before the timed call) is clean.
+Prefill at 1K / 4K / 8K / 16K tokens for both, 2K and 32K–128K for replaykv alone, and 128
+decode steps after a 16K prefill. Every measurement runs in its own child process (glibc told to
+keep freed memory, `replaykv.malloc.MALLOC_ENV`) so its peak memory (the process's peak resident
+set above its level just before the timed call) is clean.
 
-    python bench/bench_v4_vs_transformers.py [--sizes 1024,4096,8192,16384] [--ours-only 32768,131072]
-        [--decode-context 16384] [--decode-steps 128] [--skip-hf] [--write docs/benchmarks.md]
+    python bench/bench_v4_vs_transformers.py [--sizes 1024,4096,8192,16384]
+        [--ours-only 2048,32768,65536,131072] [--decode-context 16384] [--decode-steps 128]
+        [--skip-hf] [--write docs/benchmarks.md] [--plot docs/img/v4_prefill_per_token.png]
+
+After the timed decode steps each decode worker profiles a few more: the operators a step
+dispatches (counted below autograd with a `TorchDispatchMode`, views included), the share of
+its self CPU time in matrix products and the operators that take the most (torch.profiler).
+The prefill curve (time per token against length, next to the [S, S/4] index scores of one
+CSA layer, the term DeepSeek's design makes quadratic) is plotted to --plot.
 
 Prints a Markdown table; with --write, replaces the section between the markers in that file.
 """
@@ -19,14 +27,47 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK_BEGIN = "<!-- bench_v4_vs_transformers:begin -->"
 MARK_END = "<!-- bench_v4_vs_transformers:end -->"
+PROFILED_STEPS = 8
+
+
+def decode_profile(step: Callable[[], None]) -> dict[str, Any]:
+    """Operators per decode step, share of self CPU time in matrix products, top operators."""
+    from bench_limits import GEMM_OPS
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        for _ in range(PROFILED_STEPS):
+            step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+    rows = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    total = sum(t for _, t in rows) or 1.0
+    ranked = sorted(rows, key=lambda r: -r[1])[:5]
+    return {
+        "ops_per_step": counter.ops / PROFILED_STEPS,
+        "gemm_share": sum(t for k, t in rows if k in GEMM_OPS) / total,
+        "top": [[k.removeprefix("aten::"), t / total] for k, t in ranked],
+    }
 
 
 def _rss_now() -> int:
@@ -74,7 +115,7 @@ def make_checkpoint(directory: Path) -> None:
     model.save_pretrained(directory)
 
 
-def worker(impl: str, model_dir: str, mode: str, n: int, steps: int) -> dict[str, float]:
+def worker(impl: str, model_dir: str, mode: str, n: int, steps: int) -> dict[str, Any]:
     import torch
 
     torch.manual_seed(1)
@@ -93,7 +134,7 @@ def worker(impl: str, model_dir: str, mode: str, n: int, steps: int) -> dict[str
         model = load_model(model_dir)
         vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, n))
-    result: dict[str, float] = {}
+    result: dict[str, Any] = {}
     with torch.inference_mode():
         # warm-up on a short input so one-time costs do not count
         if impl == "hf":
@@ -108,34 +149,80 @@ def worker(impl: str, model_dir: str, mode: str, n: int, steps: int) -> dict[str
             out = model(ids, cache=cache, use_cache=mode == "decode", logits_to_keep=1)
             nxt = out.logits[:, -1:].argmax(-1)
         else:
-            view = allocate_view(ModelSpec.from_config(model.config), 1, n + steps + 1)
+            view = allocate_view(ModelSpec.from_config(model.config), 1, n + steps + 2 * PROFILED_STEPS + 1)
             logits = prefill(model, ids, view, logits_rows="last")
             nxt = logits[:, -1:].argmax(-1)
         result["prefill_s"] = time.perf_counter() - t0
         result["peak_bytes"] = float(max(0, _peak_rss() - base))
         if mode == "decode":
-            t0 = time.perf_counter()
-            for i in range(steps):
+            done = 0
+
+            def step() -> None:
+                nonlocal nxt, done
                 if impl == "hf":
-                    pos = torch.tensor([[n + i]])
+                    pos = torch.tensor([[n + done]])
                     out = model(nxt, cache=cache, use_cache=True, position_ids=pos)
                     nxt = out.logits[:, -1:].argmax(-1)
                 else:
                     logits = model(nxt, view, logits_rows="last")
                     advance(view, 1)
                     nxt = logits[:, -1:].argmax(-1)
+                done += 1
+
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
             result["decode_ms_per_token"] = (time.perf_counter() - t0) / steps * 1000
+            result["decode_profile"] = decode_profile(step)
     return result
 
 
-def run_child(impl: str, model_dir: Path, mode: str, n: int, steps: int = 0) -> dict[str, float]:
+def run_child(impl: str, model_dir: Path, mode: str, n: int, steps: int = 0) -> dict[str, Any]:
+    from replaykv.malloc import MALLOC_ENV
+
     cmd = [sys.executable, __file__, "--worker", impl, str(model_dir), mode, str(n), str(steps)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        return {"error": 1.0, "wall": time.perf_counter() - t0, "stderr": proc.stderr[-2000:]}  # type: ignore[dict-item]
+        return {"error": 1.0, "wall": time.perf_counter() - t0, "stderr": proc.stderr[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plot_curve(rows: list[tuple[int, dict[str, Any], dict[str, Any] | None]], path: Path) -> None:
+    """Microseconds per prefill token against length (both engines where run), and on a second
+    axis the [S, S/4] index scores one CSA layer computes per token (S/4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, which, style in (("replaykv", 0, "o-"), ("transformers", 1, "s--")):
+        pts = []
+        for n, *results in rows:
+            res = results[which]
+            if res is not None and "error" not in res:
+                pts.append((n, res["prefill_s"] / n * 1e6))
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefill tokens S")
+    ax.set_ylabel("µs per token")
+    twin = ax.twinx()
+    ns = [r[0] for r in rows]
+    twin.plot(ns, [n / 4 for n in ns], ":", color="gray", label="index scores per token (S/4)")
+    twin.set_yscale("log")
+    twin.set_ylabel("index scores per token, one CSA layer")
+    lines = ax.get_legend_handles_labels()
+    extra = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + extra[0], lines[1] + extra[1], loc="upper left")
+    ax.set_title("tiny DeepSeek-V4 prefill")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def fmt_s(x: float | None) -> str:
@@ -150,11 +237,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", nargs=5, metavar=("IMPL", "DIR", "MODE", "N", "STEPS"))
     ap.add_argument("--sizes", default="1024,4096,8192,16384")
-    ap.add_argument("--ours-only", default="32768,131072")
+    ap.add_argument("--ours-only", default="2048,32768,65536,131072")
     ap.add_argument("--decode-context", type=int, default=16384)
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--write", default="")
+    ap.add_argument("--plot", default="", help="PNG of the prefill curve (default with --write: "
+                    "docs/img/v4_prefill_per_token.png next to the written file)")  # fmt: skip
     args = ap.parse_args()
     if args.worker:
         impl, model_dir, mode, n, steps = args.worker
@@ -167,7 +256,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "tiny-v4"
         make_checkpoint(model_dir)
-        for n in sizes + ours_only:
+        for n in sorted(sizes + ours_only):
             ours = run_child("ours", model_dir, "prefill", n)
             hf = None if (args.skip_hf or n in ours_only) else run_child("hf", model_dir, "prefill", n)
             rows.append((n, ours, hf))
@@ -214,9 +303,30 @@ def main() -> int:
         "|---|---:|---:|---:|",
         f"| ms per decoded token | {o_d if o_d is None else f'{o_d:.2f}'} | "
         f"{h_d if h_d is None else f'{h_d:.2f}'} | {ratio} |",
-        "",
-        MARK_END,
     ]
+    profiles = [d.get("decode_profile") if d else None for d in (dec_ours, dec_hf)]
+    if any(profiles):
+
+        def cell(prof: dict[str, Any] | None, key: str) -> str:
+            if prof is None:
+                return "—"
+            if key == "top":
+                return ", ".join(f"{k} {v:.0%}" for k, v in prof["top"])
+            return f"{prof[key]:,.0f}" if key == "ops_per_step" else f"{prof[key]:.0%}"
+
+        lines += [
+            f"| operators dispatched per step | {cell(profiles[0], 'ops_per_step')} | "
+            f"{cell(profiles[1], 'ops_per_step')} | |",
+            f"| self CPU time in matrix products | {cell(profiles[0], 'gemm_share')} | "
+            f"{cell(profiles[1], 'gemm_share')} | |",
+            f"| operators taking the most (self CPU) | {cell(profiles[0], 'top')} | {cell(profiles[1], 'top')} | |",
+        ]
+    plot = args.plot or (str(Path(args.write).parent / "img" / "v4_prefill_per_token.png") if args.write else "")
+    if plot:
+        plot_curve(rows, Path(plot))
+        rel = os.path.relpath(plot, Path(args.write).parent) if args.write else plot
+        lines += ["", f"Prefill time per token against length, with the index scores of one CSA layer: ![]({rel})"]
+    lines += ["", MARK_END]
     table = "\n".join(lines)
     print(table)
     if args.write:
