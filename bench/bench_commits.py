@@ -8,6 +8,8 @@ Each plan item is MODE:TOKENS:DECODE_STEPS:ROUNDS. Every commit other than the w
 commits run one after the other, each measurement in its own child process of that commit's
 `bench/bench_v4_vs_transformers.py --worker ours` (glibc told to keep freed memory), on one
 checkpoint made once. Prints one JSON line per run and a summary (min per commit).
+`--system-malloc` runs the children with glibc's default settings instead, which return freed
+memory to the system (peaks of the live data rather than of what the allocator keeps).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
     ap = argparse.ArgumentParser()
     ap.add_argument("--commits", default="HEAD")
     ap.add_argument("--plan", default="prefill:32768:0:2")
+    ap.add_argument("--system-malloc", action="store_true", help="children without MALLOC_ENV")
     args = ap.parse_args(argv)
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory(prefix="replaykv-commits-") as tmp:
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
                 mode, n, steps, rounds = item.split(":")
                 for r in range(int(rounds)):
                     for c, tree in trees.items():
-                        env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(tree)}
+                        malloc = {} if args.system_malloc else MALLOC_ENV
+                        env = {**os.environ, **malloc, "PYTHONPATH": str(tree)}
                         cmd = [sys.executable, str(tree / "bench" / "bench_v4_vs_transformers.py"), "--worker",
                                "ours", str(model_dir), mode, n, steps]  # fmt: skip
                         p = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -2,6 +2,7 @@
 one decode step, next to DeepSeek's 15 (prefill) and 11 (decode) fused kernels per Reuse layer.
 
     python bench/bench_kernels.py [--preset v41-small] [--context 1024] [--device cpu|cuda] [--json FILE]
+        [--compile]
 
 Each layer's call is wrapped in a profiler range (forward hooks); inside it the script counts
 
@@ -18,6 +19,12 @@ The prefill is one forward of `--context` tokens into an empty cache; the decode
 token after it (one warm-up decode step first), float32 weights as the engine runs them. On a GPU the script also tries to capture the
 decode step in a CUDA graph and prints whether that worked or the error that stopped it.
 Counts are exact for a given torch version and preset; no timing is taken.
+
+With --compile the script also compiles the first Reuse layer's forward with torch.compile
+(inductor, static shapes) and runs one prefill and one decode step through it, each compiled
+afresh, and reports what inductor made of each call: the graphs (and graph breaks between them)
+and the kernels it generated (`torch._inductor.metrics.generated_kernel_count`; matrix products
+stay library calls and are not among them, nor are the operators run eagerly at a graph break).
 """
 
 from __future__ import annotations
@@ -118,6 +125,31 @@ def by_role(model: DeepseekV41ForCausalLM, counts: dict[int, dict[str, int]]) ->
     return roles
 
 
+def compiled_counts(layer: torch.nn.Module, run: Callable[[], None]) -> dict[str, Any]:
+    """Graphs, graph breaks and generated kernels of one call of `run` with `layer`'s forward
+    compiled by inductor from scratch; or the error that stopped the compilation."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    metrics.reset()
+    counters.clear()
+    layer.forward = torch.compile(layer.forward, backend="inductor", dynamic=False)
+    try:
+        run()
+    except Exception as e:  # the error itself is the result
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    finally:
+        del layer.forward  # the class's forward again
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "generated_kernels": int(metrics.generated_kernel_count),
+        "break_reasons": sorted({str(k).splitlines()[0][:120] for k in counters["graph_break"]}),
+    }
+
+
 def try_cuda_graph(step: Callable[[], None]) -> str:
     """Capture one decode step in a CUDA graph and replay it; 'ok' or the error that stopped it."""
     try:
@@ -142,6 +174,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--compile", action="store_true", help="also count inductor's kernels for a Reuse layer")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.float32
@@ -179,6 +212,18 @@ def main() -> int:
             result["decode_reuse_ops"] = dict(decode_names[reuse[0]].most_common())
         if device.type == "cuda":
             result["cuda_graph_decode"] = try_cuda_graph(decode)
+        if args.compile and reuse:
+            layer = model.model.layers[reuse[0]]
+            fresh = allocate_view(spec, 1, args.context + 8, device=device, dtype=dtype)
+
+            def compiled_prefill() -> None:
+                model(ids[:, : args.context], fresh, logits_rows="last")
+
+            result["compiled_reuse"] = {"layer": reuse[0], "prefill": compiled_counts(layer, compiled_prefill)}
+            advance(fresh, args.context)
+            result["compiled_reuse"]["decode"] = compiled_counts(
+                layer, lambda: model(ids[:, args.context : args.context + 1], fresh, logits_rows="last")
+            )
     print(
         f"{args.preset}, {args.context}-token prefill and one decode step after it, {device}, float32, torch {torch.__version__}"
     )
@@ -197,6 +242,18 @@ def main() -> int:
     if "decode_reuse_ops" in result:
         ops = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in result["decode_reuse_ops"].items())
         print(f"operators of a Reuse layer's decode step (layer {result['decode']['reuse']['layers'][0]}): {ops}")
+    if "compiled_reuse" in result:
+        c = result["compiled_reuse"]
+        for phase in ("prefill", "decode"):
+            r = c[phase]
+            if "error" in r:
+                print(f"torch.compile of Reuse layer {c['layer']}, {phase}: {r['error']}")
+            else:
+                print(
+                    f"torch.compile of Reuse layer {c['layer']}, {phase}: {r['graphs']} graphs, "
+                    f"{r['graph_breaks']} graph breaks, {r['generated_kernels']} generated kernels "
+                    f"(breaks: {'; '.join(r['break_reasons'])})"
+                )
     if "cuda_graph_decode" in result:
         print(f"CUDA-graph capture of the decode step: {result['cuda_graph_decode']}")
     if args.json:

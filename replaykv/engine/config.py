@@ -42,7 +42,10 @@ class EngineConfig:
     Scheduling: ``max_batch`` decode slots (rows of the batched cache view), ``max_context``
     tokens per slot (prompt + generated), ``max_queue`` requests waiting for a slot (beyond that
     ``submit`` raises QueueFull), ``prefill_token_budget`` prompt rows run per engine step
-    (chunked prefill; decode steps interleave with the chunks).
+    (chunked prefill; decode steps interleave with the chunks), ``decode_threads`` intra-op
+    threads of a decode step on a CPU (0: torch's setting, which prefill always uses). A decode
+    step is a few thousand small operators, for which a second thread's hand-offs cost more than
+    they save (docs/benchmarks.md, "Decode threads"); its rows are the same bits either way.
 
     Replay: the ReplayFlags fields; ``speculative_decoding`` only exists for the start-up guard
     (the engine does not speculate) and is refused together with encoder bounded replay.
@@ -78,6 +81,7 @@ class EngineConfig:
     max_context: int = 4096
     max_queue: int = 256
     prefill_token_budget: int = 512
+    decode_threads: int = 1
     # replay
     enable_encoder_swa_bounded_replay: bool = True
     enable_decoder_swa_bounded_replay: bool = True
@@ -119,6 +123,8 @@ class EngineConfig:
         for name in ("max_batch", "max_queue", "prefill_token_budget", "writeback_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.decode_threads < 0:
+            raise ValueError(f"decode_threads must be >= 0 (0: torch's setting); got {self.decode_threads}")
         if self.max_context < 2:
             raise ValueError(
                 f"max_context must be >= 2 tokens (a prompt token and a new one); got {self.max_context}"

@@ -812,6 +812,10 @@ class Engine(EngineAPI):
         rows = [r for r in self._rows[:n] if r is not None]
         assert len(rows) == n and all(r.decoding for r in rows), "decode rows must be compact"
         t0 = time.perf_counter()
+        threads = self.config.decode_threads if self.device.type == "cpu" else 0
+        before = torch.get_num_threads()
+        if threads and threads != before:
+            torch.set_num_threads(threads)
         try:
             view = self._decode_view(n)
             ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.device)
@@ -822,6 +826,9 @@ class Engine(EngineAPI):
             for r in reversed(rows):
                 self._complete(r, "error", error=f"decode failed: {exc!r}")
             return
+        finally:
+            if threads and threads != before:
+                torch.set_num_threads(before)
         self.metrics.decode_seconds += time.perf_counter() - t0
         self.metrics.decode_steps.inc()
         self.metrics.decode_tokens.inc(n)

@@ -167,6 +167,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_running_requests", _to_int, None, "requests decoded together", engine=True),
     Option("max_queued_requests", _to_int, None, "waiting requests before 429", engine=True),
     Option("chunked_prefill_size", _to_int, None, "prompt tokens prefilled per engine step", engine=True),
+    Option("decode_threads", _to_int, None, "intra-op CPU threads of a decode step (0: torch's setting, as prefill uses); default 1", engine=True),
     Option("dtype", _to_str, None, "weights and caches dtype", choices=("float32", "bfloat16", "float16"), engine=True),
     Option("device", _to_str, None, "torch device, e.g. cpu or cuda", engine=True),
     Option("seed", _to_int, None, "seed of a preset's random weights and of sampling", engine=True),

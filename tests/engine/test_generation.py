@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from replaykv.engine import Engine, EngineConfig, Request, SamplingParams, generate
 from replaykv.engine.oneshot import greedy_generate
@@ -107,3 +108,34 @@ def test_engine_from_checkpoint_directory(cold_engine: Engine, tmp_path: Path) -
         assert engine.generate(prompt).token_ids == cold_engine.generate(prompt).token_ids
     finally:
         engine.shutdown()
+
+
+def test_decode_steps_run_on_their_own_thread_count_with_the_same_bits() -> None:
+    """`decode_threads` sets the intra-op threads of decode steps only (prefill keeps torch's
+    setting, restored after every step), and the tokens and their logprobs are the same bits as
+    with torch's setting throughout."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompt = prompt_of(8, 150)
+    results, seen = [], []
+    try:
+        for threads in (1, 0):
+            engine = make_engine(decode_threads=threads, max_context=192)
+            calls: list[tuple[int, int]] = []
+            engine.model.model.layers[0].self_attn.register_forward_pre_hook(
+                lambda mod, args, calls=calls: calls.append((args[0].shape[1], torch.get_num_threads()))
+            )
+            try:
+                results.append(engine.generate(Request(tuple(prompt), sampling)))
+            finally:
+                engine.shutdown()
+            seen.append(calls)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    one, default = results
+    assert one.token_ids == default.token_ids
+    assert [(t.token_id, t.logprob) for t in one.logprobs] == [(t.token_id, t.logprob) for t in default.logprobs]
+    assert {n for rows, n in seen[0] if rows == 1} == {1} and {n for rows, n in seen[0] if rows > 1} == {2}
+    assert {n for _, n in seen[1]} == {2}

@@ -176,8 +176,14 @@ def test_engine_config_mapping(tmp_path: Path) -> None:
         "7",
         "--served-model-name",
         "mine",
+        "--decode-threads",
+        "2",
     ]
     cfg = load_settings(argv, environ={}).engine_config()
+    assert cfg.decode_threads == 2
+    assert load_settings([], environ={}).engine_config().decode_threads == 1
+    with pytest.raises(SettingsError, match="decode_threads must be >= 0"):
+        load_settings(["--decode-threads", "-1"], environ={}).engine_config()
     assert (cfg.preset, cfg.max_batch, cfg.max_queue, cfg.prefill_token_budget, cfg.max_context) == (
         "tiny",
         3,

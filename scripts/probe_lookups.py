@@ -1,0 +1,72 @@
+"""Score a checkpoint on easier forms of the bar's multi-hop and chain cells: where between "finds
+a pass key" and "follows two links" a model stands.
+
+    python scripts/probe_lookups.py replaykv/weights/small --length 1024 --cases 20
+
+Four cells of held-out cases (filler from held-out files, seed 555, not the bar's): multi-hop with
+one link and four distractors (chance 1/5), with two links and four distractors (the bar's form,
+chance 1/6), a chain of one copy inside one window (chance 1/4) and of six copies over three
+windows (the bar's form, chance 1/4). Teacher-forced and greedy exact match per cell, as the bar
+scores them (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless
+--threads says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from replaykv.model.checkpoint import load_model
+from replaykv.train.bar import score_cases
+from replaykv.train.data import load_corpus
+from replaykv.train.recipes import BarSpec
+from replaykv.train.tasks import TaskSample, generate
+
+CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
+    ("multihop, 1 link", "multihop", {"hops": 1, "distractors": 4}, 1 / 5),
+    ("multihop, 2 links (bar)", "multihop", {"hops": 2, "distractors": 4}, 1 / 6),
+    ("chain, 1 copy in a window", "chain", {"n_vars": 4, "steps": 1, "span": 128}, 1 / 4),
+    ("chain, 6 copies (bar)", "chain", {"n_vars": 4, "steps": 6, "span": 384}, 1 / 4),
+)
+SEED = 555
+
+
+def cases_of(task: str, controls: dict[str, Any], length: int, n: int, corpus: Any) -> list[TaskSample]:
+    got: list[TaskSample] = []
+    for i in range(3 * n):
+        if len(got) == n:
+            break
+        sample = generate(task, np.random.default_rng([SEED, i]), corpus, length, **controls)
+        if sample is not None:
+            got.append(sample)
+    return got
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--cases", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model).float().eval()
+    heldout = load_corpus()["heldout"]
+    spec = BarSpec(offsets=(), batch=4)
+    for label, task, controls, chance in CELLS:
+        t0 = time.perf_counter()
+        cases = cases_of(task, controls, args.length, args.cases, heldout)
+        r = score_cases(model, cases, spec)
+        print(
+            f"{label}: forced {r['forced']['k']}/{r['forced']['n']}, greedy {r['greedy']['k']}/{r['greedy']['n']} "
+            f"(chance {chance:.0%}; {time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
