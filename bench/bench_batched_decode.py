@@ -7,8 +7,9 @@ stamp follows the prefill), so rate = B · (N − 1) / (last stamp − first); f
 request is streamed and each token stamped as it arrives, the prompts are prefilled in one
 engine step (`prefill_token_budget` = B × context, so no row decodes while another prefills),
 and rate = tokens stamped after the last row's first token and up to the first row's last token,
-over that interval. Every measurement runs in its own child process (a clean allocator); the
-arms alternate within each repeat; median and min over repeats are printed.
+over that interval. The engine runs twice: with its default `decode_threads` = 1 and with decode
+on torch's thread count (`decode_threads` = 0), side by side. Every measurement runs in its own
+child process (a clean allocator); the arms alternate within each repeat; median and min over repeats are printed.
 
     python bench/bench_batched_decode.py [--batches 1,8,32] [--hf-batches 1,8] [--context 4096]
         [--new-tokens 32] [--repeats 2] [--write docs/benchmarks.md]
@@ -85,6 +86,7 @@ def worker(impl: str, model_dir: str, batch: int, context: int, new: int, seed: 
         store_dir=None,
         swa_pool=None,
         prefill_token_budget=batch * context,
+        decode_threads=0 if impl == "ours-torch" else 1,
     )
     engine = Engine(config)
     try:
@@ -146,7 +148,7 @@ def main() -> int:
         seed = 0
         for rep in range(args.repeats):
             for b in batches:
-                for impl in ("ours", "hf"):
+                for impl in ("ours", "ours-torch", "hf"):
                     if impl == "hf" and b not in hf_batches:
                         continue
                     seed += 1
@@ -172,16 +174,17 @@ def main() -> int:
         f"{args.new_tokens} greedy tokens each; decode tokens/s over the steps in which every row decodes, "
         f"timed token by token, median (min) over {args.repeats} repeats, each arm in its own process, arms "
         "alternating. replaykv: the engine with `max_batch` = B, the prompts prefilled in one engine step, "
-        "store and SWA pool off; transformers: `generate` on the batch, eager attention.",
+        "store and SWA pool off, decode steps on one intra-op thread (`decode_threads` = 1, the default) "
+        f"or on torch's {os.cpu_count()}; transformers: `generate` on the batch, eager attention.",
         "",
-        "| batch | replaykv decode tokens/s | transformers decode tokens/s | ratio |",
-        "|---:|---:|---:|---:|",
+        "| batch | replaykv decode tokens/s | replaykv, decode on torch's threads | transformers decode tokens/s | ratio |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for b in batches:
         o, h = rates.get(("ours", b)), rates.get(("hf", b))
         ratio = f"{statistics.median(o) / statistics.median(h):.2f}×" if o and h else "—"
         hf = cell("hf", b) if b in hf_batches else "not run (eager prefill memory)"
-        lines.append(f"| {b} | {cell('ours', b)} | {hf} | {ratio} |")
+        lines.append(f"| {b} | {cell('ours', b)} | {cell('ours-torch', b)} | {hf} | {ratio} |")
     lines += ["", END]
     table = "\n".join(lines)
     print(table)
