@@ -15,7 +15,8 @@ decode steps each decode worker profiles a few more: the operators a step
 dispatches (counted below autograd with a `TorchDispatchMode`, views included), the share of
 its self CPU time in matrix products and the operators that take the most (torch.profiler).
 The prefill curve (time per token against length, next to the [S, S/4] index scores of one
-CSA layer, the term DeepSeek's design makes quadratic) is plotted to --plot.
+CSA layer, the term DeepSeek's design makes quadratic) is plotted to --plot. `--profile-prefill N`
+only profiles one replaykv prefill of N tokens and prints where its time goes.
 
 Prints a Markdown table; with --write, replaces the section between the markers in that file.
 """
@@ -156,6 +157,12 @@ def worker(impl: str, model_dir: str, mode: str, n: int, steps: int) -> dict[str
             nxt = logits[:, -1:].argmax(-1)
         result["prefill_s"] = time.perf_counter() - t0
         result["peak_bytes"] = float(max(0, _peak_rss() - base))
+        if mode == "profile" and impl == "ours":  # where a long prefill's time goes
+            from bench_limits import gemm_share
+
+            fresh = allocate_view(ModelSpec.from_config(model.config), 1, n + 1)
+            share, top = gemm_share(lambda: prefill(model, ids, fresh, logits_rows="last"), top=8)
+            result["prefill_profile"] = {"gemm_share": share, "top": [[k.removeprefix("aten::"), v] for k, v in top]}
         if mode == "decode":
             done = 0
 
@@ -253,6 +260,8 @@ def main() -> int:
     ap.add_argument("--decode-context", type=int, default=16384)
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                    help="only profile one replaykv prefill of N tokens (torch.profiler) and print its top operators")  # fmt: skip
     ap.add_argument("--write", default="")
     ap.add_argument("--plot", default="", help="PNG of the prefill curve (default with --write: "
                     "docs/img/v4_prefill_per_token.png next to the written file)")  # fmt: skip
@@ -262,6 +271,17 @@ def main() -> int:
         print(json.dumps(worker(impl, model_dir, mode, int(n), int(steps))))
         return 0
 
+    if args.profile_prefill:
+        with tempfile.TemporaryDirectory() as tmp:
+            make_checkpoint(Path(tmp) / "tiny-v4")
+            got = run_child("ours", Path(tmp) / "tiny-v4", "profile", args.profile_prefill)
+        if "prefill_profile" not in got:
+            raise SystemExit(str(got.get("stderr", got)))
+        prof = got["prefill_profile"]
+        top = ", ".join(f"{k} {v:.0%}" for k, v in prof["top"])
+        print(f"replaykv prefill of {args.profile_prefill:,} tokens: {got['prefill_s']:.2f} s untraced; "
+              f"under torch.profiler {prof['gemm_share']:.0%} of self CPU time in matrix products; top: {top}")  # fmt: skip
+        return 0
     sizes = [int(s) for s in args.sizes.split(",") if s]
     ours_only = [int(s) for s in args.ours_only.split(",") if s]
     rows = []
@@ -310,6 +330,7 @@ def main() -> int:
     o_d = dec_ours.get("decode_ms_per_token")
     h_d = None if dec_hf is None else dec_hf.get("decode_ms_per_token")
     ratio = f"{h_d / o_d:.2f}×" if (o_d and h_d) else "—"
+
     def by_threads(d: dict[str, Any] | None) -> str:
         if not d or "decode_ms_by_threads" not in d:
             return "—"
