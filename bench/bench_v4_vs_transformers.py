@@ -46,8 +46,7 @@ PROFILED_STEPS = 8
 
 def decode_profile(step: Callable[[], None]) -> dict[str, Any]:
     """Operators per decode step, share of self CPU time in matrix products, top operators."""
-    from bench_limits import GEMM_OPS
-    from torch.profiler import ProfilerActivity, profile
+    from bench_limits import gemm_share
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -57,19 +56,17 @@ def decode_profile(step: Callable[[], None]) -> dict[str, Any]:
             self.ops += 1
             return func(*args, **(kwargs or {}))
 
+    def steps() -> None:
+        for _ in range(PROFILED_STEPS):
+            step()
+
     with Count() as counter:
-        for _ in range(PROFILED_STEPS):
-            step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(PROFILED_STEPS):
-            step()
-    rows = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
-    total = sum(t for _, t in rows) or 1.0
-    ranked = sorted(rows, key=lambda r: -r[1])[:5]
+        steps()
+    share, top = gemm_share(steps, top=5)
     return {
         "ops_per_step": counter.ops / PROFILED_STEPS,
-        "gemm_share": sum(t for k, t in rows if k in GEMM_OPS) / total,
-        "top": [[k.removeprefix("aten::"), t / total] for k, t in ranked],
+        "gemm_share": share,
+        "top": [[k.removeprefix("aten::"), v] for k, v in top],
     }
 
 
