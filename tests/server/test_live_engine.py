@@ -191,8 +191,15 @@ def test_serve_command(tmp_path: Path) -> None:
             except httpx.TransportError:
                 time.sleep(0.1)
         c = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0, timeout=60)
-        r = c.completions.create(model="tiny-random-seed0", prompt="Hello", max_tokens=4)
+        # Random weights may draw the end-of-text token early; ignore_eos keeps the count exact.
+        r = c.completions.create(
+            model="tiny-random-seed0",
+            prompt="Hello",
+            max_tokens=4,
+            extra_body={"ignore_eos": True},
+        )
         assert r.usage is not None and r.usage.completion_tokens == 4
+        assert r.choices[0].finish_reason == "length"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="k2", max_retries=0).models.list()
     finally:
