@@ -201,7 +201,7 @@ def stage_card(
     """MODEL_CARD.md of a stage checkpoint: what it is, how far training got, the bar's table
     (`result` None: not scored yet)."""
     stage_times = ", ".join(
-        f"stage {k}: {v / 60:.0f} min" for k, v in sorted(info.get("stage_seconds", {}).items())
+        f"stage {k}: {v / 60:.0f} min" for k, v in sorted(info.get("stage_seconds", {}).items(), key=lambda kv: int(kv[0]))
     )
     lines = [
         f"# replaykv {recipe.preset}: recipe `{recipe.name}`, stage {info['stage']} of {info['stages']}",

@@ -246,3 +246,16 @@ def test_a_phase_selects_its_own_index_topk_and_its_stage_checkpoint_records_it(
     assert load_config(out / "stage").index_topk == 4 == v41_tiny().index_topk
     with pytest.raises(ValueError, match="index_topk"):
         dataclasses.replace(early, index_topk=0)
+
+
+def test_the_card_lists_stage_times_in_stage_order() -> None:
+    info = {
+        "stage": 10,
+        "stages": 14,
+        "step": 5150,
+        "tokens": 1,
+        "seconds": 3600.0,
+        "stage_seconds": {"1": 60.0, "10": 600.0, "2": 120.0, "9": 540.0},
+    }
+    card = stages.stage_card(small(), info, None, [])
+    assert "stage 1: 1 min, stage 2: 2 min, stage 9: 9 min, stage 10: 10 min;" in card
