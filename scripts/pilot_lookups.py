@@ -1,0 +1,146 @@
+"""Continue a stage checkpoint on a lookup-heavy mixture at chosen learning rates and score the
+lookup probe after each arm: does a higher rate, or a row design, teach lookups by a drawn code
+where the recipe's task phase (at its final rate) has not?
+
+    python scripts/pilot_lookups.py ~/.cache/replaykv/train/v41-small-stage10 \
+        --out /tmp/pilot --steps 120 --lrs 2e-4,1e-3 --seq-len 512 --batch 8 --probe-lengths 512,1024
+
+Each arm starts from the same weights with fresh AdamW moments, warms up over `--warmup` steps
+and keeps its rate (no decay), trains `--steps` steps of `--batch` × `--seq-len` rows of the
+mixture given by `--mixture` (the recipe's row kinds and weights), with the `small` recipe's
+answer and copy weights, and is scored by scripts/probe_lookups.py's cells (teacher-forced and
+greedy, held-out filler) at each probe length. Arms run one after another in one process, so
+their batches are the same bits; the state of each arm is kept in OUT/ARM/ for a longer look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replaykv.model.checkpoint import load_model
+from replaykv.train.bar import score_cases
+from replaykv.train.data import load_corpus
+from replaykv.train.loop import train
+from replaykv.train.recipe_spec import BarSpec, Mixture, Phase, Recipe
+from replaykv.train.recipes import TASK_ANSWER_WEIGHT, small
+from replaykv.train.state import STATE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_lookups import CELLS, cases_of
+
+DEFAULT_MIXTURE = "lookup=0.5,multihop=0.2,passkey=0.15,copy=0.1,text=0.05"
+
+
+def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recipe:
+    base = small()
+    copy_weight = max(p.copy_weight for p in base.phases)
+    phase = Phase(
+        "pilot",
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        mixture=mixture,
+        answer_weight=TASK_ANSWER_WEIGHT,
+        copy_weight=copy_weight,
+        prompt_from=0.25,
+        index_topk=args.index_topk,
+    )
+    return replace(
+        base,
+        name=f"lookup-pilot-lr{lr:g}",
+        phases=(phase,),
+        lr=lr,
+        min_lr=lr,
+        warmup=args.warmup,
+        decay_end=None,
+        stages=(),
+        quick_eval=None,
+        final_eval=None,
+        bar=None,
+        init_from="small",
+        ship_as=None,
+        checkpoint_every=10**9,
+        eval_every=0,
+    )
+
+
+def probe(model: Any, lengths: list[int], cases: int, cells: int) -> dict[str, Any]:
+    """The first `cells` cells of the lookup probe at each length: teacher-forced and greedy hits."""
+    heldout = load_corpus()["heldout"]
+    spec = BarSpec(offsets=(), batch=4)
+    scores: dict[str, Any] = {}
+    for length in lengths:
+        for label, task, controls, chance in CELLS[:cells]:
+            r = score_cases(model, cases_of(task, controls, length, cases, heldout), spec)
+            key = f"{label} @ {length}"
+            forced, greedy, n = r["forced"]["k"], r["greedy"]["k"], r["forced"]["n"]
+            scores[key] = {"forced": forced, "greedy": greedy, "n": n, "chance": chance}
+            print(f"  {key}: forced {forced}/{n}, greedy {greedy} (chance {chance:.0%})", flush=True)
+    return scores
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", help="stage checkpoint directory to start every arm from")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--lrs", default="2e-4,1e-3", help="comma-separated learning rates, one arm each")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--index-topk", type=int, default=512)
+    p.add_argument("--mixture", default=DEFAULT_MIXTURE, help="row kind=weight pairs")
+    p.add_argument("--probe-lengths", default="512,1024")
+    p.add_argument("--cases", type=int, default=20)
+    p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
+    p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
+    args = p.parse_args()
+    cells = len(CELLS) if args.all_cells else 2
+    torch.set_num_threads(2)
+    weights = {k: 0.0 for k in Mixture().weights}
+    for part in args.mixture.split(","):
+        k, v = part.split("=")
+        weights[k.strip()] = float(v)
+    mixture = Mixture(**weights)
+    lengths = [int(x) for x in args.probe_lengths.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"stage": args.stage, "args": vars(args)}
+    if not args.skip_start:
+        print("start:", flush=True)
+        results["start"] = probe(load_model(args.stage).float().eval(), lengths, args.cases, cells)
+    for lr in (float(x) for x in args.lrs.split(",")):
+        recipe = pilot_recipe(args, lr, mixture)
+        t0 = time.perf_counter()
+        r = train(
+            recipe,
+            out / f"lr{lr:g}",
+            init=args.stage,
+            evaluate_at_end=False,
+            progress=False,
+            precision="auto",
+        )
+        last20 = sum(r.losses[-20:]) / len(r.losses[-20:])
+        print(
+            f"lr {lr:g}: {r.steps} steps in {time.perf_counter() - t0:.0f} s, last-20 loss {last20:.3f}",
+            flush=True,
+        )
+        model = load_model(args.stage).float()
+        model.load_state_dict(torch.load(r.out / STATE, weights_only=False)["model"])
+        results[f"lr {lr:g}"] = {
+            "loss_last20": last20,
+            "probe": probe(model.eval(), lengths, args.cases, cells),
+        }
+        (out / "pilot.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
