@@ -3,12 +3,13 @@ a pass key" and "follows two links" a model stands.
 
     python scripts/probe_lookups.py replaykv/weights/small --length 1024 --cases 20
 
-Four cells of held-out cases (filler from held-out files, seed 555, not the bar's): multi-hop with
+Five cells of held-out cases (filler from held-out files, seed 555, not the bar's): multi-hop with
 one link and four distractors (chance 1/5), with two links and four distractors (the bar's form,
 chance 1/6), a chain of one copy inside one window (chance 1/4) and of six copies over three
-windows (the bar's form, chance 1/4). Teacher-forced and greedy exact match per cell, as the bar
-scores them (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless
---threads says otherwise.
+windows (the bar's form, chance 1/4), and one link with its record inside the question's window
+(chance 1/5). Teacher-forced and greedy exact match per cell, as the bar scores them
+(replaykv.train.bar.score_cases), without bounded replay. One torch thread unless --threads says
+otherwise; --only TEXT scores the cells whose label holds TEXT.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
     ("multihop, 2 links (bar)", "multihop", {"hops": 2, "distractors": 4}, 1 / 6),
     ("chain, 1 copy in a window", "chain", {"n_vars": 4, "steps": 1, "span": 128}, 1 / 4),
     ("chain, 6 copies (bar)", "chain", {"n_vars": 4, "steps": 6, "span": 384}, 1 / 4),
+    # The record ends 60 tokens before the prompt's end: read at full resolution in the window.
+    ("multihop, 1 link inside the last window", "multihop", {"hops": 1, "distractors": 4, "tail": 60}, 1 / 5),
 )
 SEED = 555
 
 
 def cases_of(task: str, controls: dict[str, Any], length: int, n: int, corpus: Any) -> list[TaskSample]:
     got: list[TaskSample] = []
+    controls = dict(controls)
+    if "tail" in controls:
+        controls["evidence_end"] = length - controls.pop("tail")
     for i in range(3 * n):
         if len(got) == n:
             break
@@ -52,12 +58,13 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--cases", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", default="", help="score only the cells whose label holds this text")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model).float().eval()
     heldout = load_corpus()["heldout"]
     spec = BarSpec(offsets=(), batch=4)
-    for label, task, controls, chance in CELLS:
+    for label, task, controls, chance in (c for c in CELLS if args.only in c[0]):
         t0 = time.perf_counter()
         cases = cases_of(task, controls, args.length, args.cases, heldout)
         r = score_cases(model, cases, spec)
