@@ -55,7 +55,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
     )
     return replace(
         base,
-        name=f"lookup-pilot-lr{lr:g}",
+        name=f"lookup-pilot-lr{lr:g}-segment{mixture.lookup_segment}",
         phases=(phase,),
         lr=lr,
         min_lr=lr,
@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--index-topk", type=int, default=512)
     p.add_argument("--mixture", default=DEFAULT_MIXTURE, help="row kind=weight pairs")
+    p.add_argument(
+        "--lookup-segment", type=int, default=0, help="lookup rows in segments of this many bytes (Mixture)"
+    )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
@@ -109,7 +112,7 @@ def main() -> None:
     for part in args.mixture.split(","):
         k, v = part.split("=")
         weights[k.strip()] = float(v)
-    mixture = Mixture(**weights)
+    mixture = Mixture(**weights, lookup_segment=args.lookup_segment)
     lengths = [int(x) for x in args.probe_lengths.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -221,7 +221,7 @@ def copy_row(
 
 
 def lookup_row(
-    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False, segment: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Link records and questions about them in a corpus window: ids [length], an answer mask
     [length] (True on each answer's bytes) and a mask of every inserted byte.
@@ -231,11 +231,15 @@ def lookup_row(
     different questions per chain in the multi-hop task's words, `Follow h links from A: Z`, each
     about links that all made it into the row. Answering is a lookup by a key drawn for this row:
     what the multi-hop and chain tasks need and a pass key's fixed phrase does not teach, here a
-    dozen times a row instead of once."""
+    dozen times a row instead of once.
+
+    With `segment` > 0 the row is cut into segments of that many bytes, one chain each: its
+    records in the segment's first 40%, its questions in its last 40%, so a question sits at most
+    `segment` bytes after the records it needs (a distance the caller sets against the window)."""
     ids = corpus.window(rng, length, prose)
     answer = np.zeros(length, dtype=bool)
     used = np.zeros(length, dtype=bool)
-    split = int(length * rng.uniform(0.4, 0.6))
+    split = 0 if segment else int(length * rng.uniform(0.4, 0.6))
 
     def put(text: bytes, lo: int, hi: int) -> int | None:
         for _ in range(16):
@@ -250,22 +254,30 @@ def lookup_row(
 
     codes: set[str] = set()
     chains = [
-        [link_code(rng, codes) for _ in range(int(rng.integers(2, 5)))] for _ in range(max(1, length // 256))
+        [link_code(rng, codes) for _ in range(int(rng.integers(2, 5)))]
+        for _ in range(max(1, length // (segment or 256)))
     ]
-    links = [(a, b) for chain in chains for a, b in itertools.pairwise(chain)]
+
+    def records_span(c: int) -> tuple[int, int]:
+        return (c * segment, c * segment + segment * 2 // 5) if segment else (0, split)
+
+    def questions_span(c: int) -> tuple[int, int]:
+        return (c * segment + segment * 3 // 5, (c + 1) * segment) if segment else (split, length)
+
+    links = [(c, a, b) for c, chain in enumerate(chains) for a, b in itertools.pairwise(chain)]
     placed = {
-        link
-        for link in (links[i] for i in rng.permutation(len(links)))
-        if put(f"\n{link[0]} -> {link[1]}\n".encode(), 0, split) is not None
+        (a, b)
+        for c, a, b in (links[i] for i in rng.permutation(len(links)))
+        if put(f"\n{a} -> {b}\n".encode(), *records_span(c)) is not None
     }
-    for chain in chains:
+    for c, chain in enumerate(chains):
         pairs = [(i, h) for i in range(len(chain) - 1) for h in range(1, len(chain) - i)]
         for k in rng.permutation(len(pairs))[:2]:  # two different questions (a repeat is a copy)
             i, h = pairs[k]
             if not all(link in placed for link in itertools.pairwise(chain[i : i + h + 1])):
                 continue
             question = f"\nFollow {h} links from {chain[i]}: "
-            at = put(f"{question}{chain[i + h]}\n".encode(), split, length)
+            at = put(f"{question}{chain[i + h]}\n".encode(), *questions_span(c))
             if at is not None:
                 answer[at + len(question) : at + len(question) + len(chain[i + h])] = True
     return ids, answer, used
@@ -353,7 +365,9 @@ class MixtureSampler:
                 targets[row, mask] = phase.copy_weight
                 continue
             if kind == "lookup":
-                ids[row], answers, inserted = lookup_row(rng, self.corpus, length, prose)
+                ids[row], answers, inserted = lookup_row(
+                    rng, self.corpus, length, prose, phase.mixture.lookup_segment
+                )
                 targets[row, 1:] = 1.0
                 targets[row, inserted] = 0.0
                 targets[row, answers] = phase.copy_weight

@@ -37,12 +37,17 @@ class Mixture:
     repeat: float = 0.0
     lookup: float = 0.0
     prose_fraction: float = 0.3
+    # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
+    # half, questions after; see replaykv.train.data.lookup_row).
+    lookup_segment: int = 0
 
     def __post_init__(self) -> None:
         if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
             raise ValueError("mixture weights must be non-negative and not all zero")
         if not 0 <= self.prose_fraction <= 1:
             raise ValueError("prose_fraction must be in [0, 1]")
+        if self.lookup_segment < 0:
+            raise ValueError("lookup_segment must not be negative")
 
     @property
     def weights(self) -> dict[str, float]:

@@ -191,6 +191,22 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
         assert len(set(pairs)) == len(pairs)  # no question twice: a repeat would be a copy
     assert hops == {1, 2, 3}
 
+    # In segments, every question sits within its segment, after the records it needs.
+    for _ in range(20):
+        ids, answers, inserted = lookup_row(rng, corpus["train"], 1024, segment=256)
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        links = {m.group(1): (m.group(2), m.start(), m.end()) for m in record.finditer(text)}
+        asked = list(question.finditer(text))
+        assert len(asked) >= 4 and int(answers.sum()) == 4 * len(asked)
+        for q in asked:
+            code, seg = q.group(2), q.start() // 256
+            for _ in range(int(q.group(1))):
+                code, start, end = links[code]
+                assert start // 256 == seg and (end - 1) // 256 == seg and end <= q.start()
+            assert code == q.group(3) and q.end() <= (seg + 1) * 256
+    with pytest.raises(ValueError, match="lookup_segment"):
+        Mixture(lookup_segment=-1)
+
     mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, lookup=1.0)
     recipe = dataclasses.replace(tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=())
     batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
