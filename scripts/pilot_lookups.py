@@ -26,22 +26,20 @@ from typing import Any
 import torch
 
 from replaykv.model.checkpoint import load_model
-from replaykv.train.bar import score_cases
 from replaykv.train.data import load_corpus
 from replaykv.train.loop import train
-from replaykv.train.recipe_spec import BarSpec, Mixture, Phase, Recipe
+from replaykv.train.recipe_spec import Mixture, Phase, Recipe
 from replaykv.train.recipes import TASK_ANSWER_WEIGHT, small
 from replaykv.train.state import STATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_lookups import CELLS, cases_of
+from probe_lookups import CELLS, score_cell
 
 DEFAULT_MIXTURE = "lookup=0.5,multihop=0.2,passkey=0.15,copy=0.1,text=0.05"
 
 
 def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recipe:
     base = small()
-    copy_weight = max(p.copy_weight for p in base.phases)
     phase = Phase(
         "pilot",
         steps=args.steps,
@@ -49,7 +47,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         batch=args.batch,
         mixture=mixture,
         answer_weight=TASK_ANSWER_WEIGHT,
-        copy_weight=copy_weight,
+        copy_weight=base.phases[-1].copy_weight,  # the task phase's
         prompt_from=0.25,
         index_topk=args.index_topk,
     )
@@ -72,21 +70,6 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
     )
 
 
-def probe(model: Any, lengths: list[int], cases: int, cells: int) -> dict[str, Any]:
-    """The first `cells` cells of the lookup probe at each length: teacher-forced and greedy hits."""
-    heldout = load_corpus()["heldout"]
-    spec = BarSpec(offsets=(), batch=4)
-    scores: dict[str, Any] = {}
-    for length in lengths:
-        for label, task, controls, chance in CELLS[:cells]:
-            r = score_cases(model, cases_of(task, controls, length, cases, heldout), spec)
-            key = f"{label} @ {length}"
-            forced, greedy, n = r["forced"]["k"], r["greedy"]["k"], r["forced"]["n"]
-            scores[key] = {"forced": forced, "greedy": greedy, "n": n, "chance": chance}
-            print(f"  {key}: forced {forced}/{n}, greedy {greedy} (chance {chance:.0%})", flush=True)
-    return scores
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stage", help="stage checkpoint directory to start every arm from")
@@ -106,7 +89,16 @@ def main() -> None:
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
     args = p.parse_args()
-    cells = len(CELLS) if args.all_cells else 2
+    cells = CELLS if args.all_cells else CELLS[:2]
+    heldout = load_corpus()["heldout"]
+
+    def probe(model: Any) -> dict[str, Any]:
+        return {
+            f"{cell[0]} @ {n}": score_cell(model, cell, n, args.cases, heldout)
+            for n in lengths
+            for cell in cells
+        }
+
     torch.set_num_threads(2)
     weights = {k: 0.0 for k in Mixture().weights}
     for part in args.mixture.split(","):
@@ -119,7 +111,7 @@ def main() -> None:
     results: dict[str, Any] = {"stage": args.stage, "args": vars(args)}
     if not args.skip_start:
         print("start:", flush=True)
-        results["start"] = probe(load_model(args.stage).float().eval(), lengths, args.cases, cells)
+        results["start"] = probe(load_model(args.stage).float().eval())
     for lr in (float(x) for x in args.lrs.split(",")):
         recipe = pilot_recipe(args, lr, mixture)
         t0 = time.perf_counter()
@@ -140,7 +132,7 @@ def main() -> None:
         model.load_state_dict(torch.load(r.out / STATE, weights_only=False)["model"])
         results[f"lr {lr:g}"] = {
             "loss_last20": last20,
-            "probe": probe(model.eval(), lengths, args.cases, cells),
+            "probe": probe(model.eval()),
         }
         (out / "pilot.json").write_text(json.dumps(results, indent=2) + "\n")
 

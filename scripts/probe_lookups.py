@@ -52,6 +52,22 @@ def cases_of(task: str, controls: dict[str, Any], length: int, n: int, corpus: A
     return got
 
 
+def score_cell(
+    model: Any, cell: tuple[str, str, dict[str, Any], float], length: int, n: int, corpus: Any
+) -> dict[str, Any]:
+    """One cell at one length: teacher-forced and greedy hits of `n` cases, printed as it ends."""
+    label, task, controls, chance = cell
+    t0 = time.perf_counter()
+    r = score_cases(model, cases_of(task, controls, length, n, corpus), BarSpec(offsets=(), batch=4))
+    forced, greedy, total = r["forced"]["k"], r["greedy"]["k"], r["forced"]["n"]
+    print(
+        f"{label} @ {length}: forced {forced}/{total}, greedy {greedy}/{total} "
+        f"(chance {chance:.0%}; {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+    return {"forced": forced, "greedy": greedy, "n": total, "chance": chance}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -63,16 +79,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(args.model).float().eval()
     heldout = load_corpus()["heldout"]
-    spec = BarSpec(offsets=(), batch=4)
-    for label, task, controls, chance in (c for c in CELLS if args.only in c[0]):
-        t0 = time.perf_counter()
-        cases = cases_of(task, controls, args.length, args.cases, heldout)
-        r = score_cases(model, cases, spec)
-        print(
-            f"{label}: forced {r['forced']['k']}/{r['forced']['n']}, greedy {r['greedy']['k']}/{r['greedy']['n']} "
-            f"(chance {chance:.0%}; {time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
+    for cell in (c for c in CELLS if args.only in c[0]):
+        score_cell(model, cell, args.length, args.cases, heldout)
 
 
 if __name__ == "__main__":
