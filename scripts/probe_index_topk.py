@@ -40,7 +40,9 @@ def main() -> None:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 r = score_cases(model, cases[cell], spec)["forced"]
-            print(f"index_topk {topk}, {args.length} tokens, {cell}: {r['k']}/{r['n']} ({time.perf_counter() - t0:.0f} s)")
+            print(
+                f"index_topk {topk}, {args.length} tokens, {cell}: {r['k']}/{r['n']} ({time.perf_counter() - t0:.0f} s)"
+            )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ chance 1/6), a chain of one copy inside one window (chance 1/4) and of six copie
 windows (the bar's form, chance 1/4), and one link with its record inside the question's window
 (chance 1/5). Teacher-forced and greedy exact match per cell, as the bar scores them
 (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless --threads says
-otherwise; --only TEXT scores the cells whose label holds TEXT.
+otherwise; --only TEXT scores the cells whose label holds TEXT; --kv-quant off scores the weights
+with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replaykv.model.checkpoint import load_model
+from replaykv.model.checkpoint import load_config, load_model
 from replaykv.train.bar import score_cases
 from replaykv.train.data import load_corpus
 from replaykv.train.recipes import BarSpec
@@ -75,9 +76,11 @@ def main() -> None:
     p.add_argument("--cases", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", default="", help="score only the cells whose label holds this text")
+    p.add_argument("--kv-quant", choices=("config", "on", "off"), default="config")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model).float().eval()
+    quant = {"on": True, "off": False}.get(args.kv_quant)
+    model = load_model(args.model, config=load_config(args.model, kv_quant=quant)).float().eval()
     heldout = load_corpus()["heldout"]
     for cell in (c for c in CELLS if args.only in c[0]):
         score_cell(model, cell, args.length, args.cases, heldout)
