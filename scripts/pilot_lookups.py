@@ -8,7 +8,8 @@ where the recipe's task phase (at its final rate) has not?
 Each arm starts from the same weights with fresh AdamW moments, warms up over `--warmup` steps
 and keeps its rate (no decay), trains `--steps` steps of `--batch` × `--seq-len` rows of the
 mixture given by `--mixture` (the recipe's row kinds and weights), with the `small` recipe's
-answer and copy weights, and is scored by scripts/probe_lookups.py's cells (teacher-forced and
+answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
+replaykv.train.evidence at that weight), and is scored by scripts/probe_lookups.py's cells (teacher-forced and
 greedy, held-out filler) at each probe length. Arms run one after another in one process, so
 their batches are the same bits; the state of each arm is kept in OUT/ARM/ for a longer look.
 """
@@ -50,10 +51,11 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         copy_weight=base.phases[-1].copy_weight,  # the task phase's
         prompt_from=0.25,
         index_topk=args.index_topk,
+        evidence_loss=args.evidence_loss,
     )
     return replace(
         base,
-        name=f"lookup-pilot-lr{lr:g}-segment{mixture.lookup_segment}",
+        name=f"lookup-pilot-lr{lr:g}-segment{mixture.lookup_segment}-evidence{args.evidence_loss:g}",
         phases=(phase,),
         lr=lr,
         min_lr=lr,
@@ -83,6 +85,9 @@ def main() -> None:
     p.add_argument("--mixture", default=DEFAULT_MIXTURE, help="row kind=weight pairs")
     p.add_argument(
         "--lookup-segment", type=int, default=0, help="lookup rows in segments of this many bytes (Mixture)"
+    )
+    p.add_argument(
+        "--evidence-loss", type=float, default=0.0, help="Phase.evidence_loss of every arm (0: off)"
     )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)

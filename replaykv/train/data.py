@@ -222,9 +222,12 @@ def copy_row(
 
 def lookup_row(
     rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False, segment: int = 0
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
     """Link records and questions about them in a corpus window: ids [length], an answer mask
-    [length] (True on each answer's bytes) and a mask of every inserted byte.
+    [length] (True on each answer's bytes), a mask of every inserted byte and, for each question
+    about one link in the row's order, the row that predicts its answer's first byte with the
+    span `A -> B` of the record it needs (the rest need records found through others; see
+    `Evidence`).
 
     The first 40-60% of the row holds the records `A -> B` of one chain of 2-4 codes (four upper
     case letters or digits) per 256 bytes, in random order and places; the rest holds up to two
@@ -265,11 +268,12 @@ def lookup_row(
         return (c * segment + segment * 3 // 5, (c + 1) * segment) if segment else (split, length)
 
     links = [(c, a, b) for c, chain in enumerate(chains) for a, b in itertools.pairwise(chain)]
-    placed = {
-        (a, b)
-        for c, a, b in (links[i] for i in rng.permutation(len(links)))
-        if put(f"\n{a} -> {b}\n".encode(), *records_span(c)) is not None
-    }
+    placed: dict[tuple[str, str], int] = {}
+    for c, a, b in (links[i] for i in rng.permutation(len(links))):
+        at = put(f"\n{a} -> {b}\n".encode(), *records_span(c))
+        if at is not None:
+            placed[(a, b)] = at + 1  # the record's first byte, after its newline
+    evidence: list[Evidence] = []
     for c, chain in enumerate(chains):
         pairs = [(i, h) for i in range(len(chain) - 1) for h in range(1, len(chain) - i)]
         for k in rng.permutation(len(pairs))[:2]:  # two different questions (a repeat is a copy)
@@ -280,7 +284,11 @@ def lookup_row(
             at = put(f"{question}{chain[i + h]}\n".encode(), *questions_span(c))
             if at is not None:
                 answer[at + len(question) : at + len(question) + len(chain[i + h])] = True
-    return ids, answer, used
+                if h == 1:
+                    first = placed[(chain[i], chain[i + 1])]
+                    size = len(f"{chain[i]} -> {chain[i + 1]}")
+                    evidence.append(Evidence(at + len(question) - 1, first, first + size))
+    return ids, answer, used, sorted(evidence, key=lambda e: e.query)
 
 
 def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
@@ -294,6 +302,17 @@ def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
 
 
 # ---------------------------------------------------------------------------- the mixture
+@dataclass(frozen=True)
+class Evidence:
+    """Where an answer's evidence is: the row `query` that predicts the answer's first byte and
+    the positions [lo, hi) of the text it needs (a lookup's record `A -> B`), for the
+    evidence-attention loss (:mod:`replaykv.train.evidence`)."""
+
+    query: int
+    lo: int
+    hi: int
+
+
 @dataclass
 class Batch:
     """ids [B, L] long; targets [B, L] float32, the loss weight of position t (predicted by row
@@ -308,6 +327,7 @@ class Batch:
     cut: int
     kinds: tuple[str, ...]
     samples: tuple[TaskSample | None, ...]
+    evidence: tuple[tuple[Evidence, ...], ...] = ()  # per row: see `Evidence` (lookup rows)
 
     @property
     def tokens(self) -> int:
@@ -339,6 +359,7 @@ class MixtureSampler:
         answer_weight = phase.answer_weight
         kinds: list[str] = []
         samples: list[TaskSample | None] = []
+        evidence: list[tuple[Evidence, ...]] = [()] * phase.batch
         for row in range(phase.batch):
             kind = str(rng.choice(names, p=probs))
             sample = None
@@ -365,9 +386,10 @@ class MixtureSampler:
                 targets[row, mask] = phase.copy_weight
                 continue
             if kind == "lookup":
-                ids[row], answers, inserted = lookup_row(
+                ids[row], answers, inserted, found = lookup_row(
                     rng, self.corpus, length, prose, phase.mixture.lookup_segment
                 )
+                evidence[row] = tuple(found)
                 targets[row, 1:] = 1.0
                 targets[row, inserted] = 0.0
                 targets[row, answers] = phase.copy_weight
@@ -384,5 +406,11 @@ class MixtureSampler:
                 targets[row, s0:s1] = answer_weight
             targets[row, len(head) :] = 1.0
         return Batch(
-            torch.from_numpy(ids), torch.from_numpy(targets), prompt_len, cut, tuple(kinds), tuple(samples)
+            torch.from_numpy(ids),
+            torch.from_numpy(targets),
+            prompt_len,
+            cut,
+            tuple(kinds),
+            tuple(samples),
+            tuple(evidence),
         )

@@ -48,6 +48,7 @@ from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evaluate import evaluate, render_card
+from replaykv.train.evidence import EvidenceAttention
 from replaykv.train.paths import path_losses
 from replaykv.train.recipes import Phase, Recipe
 from replaykv.train.setup import (
@@ -178,6 +179,7 @@ def train(
     (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")  # what this code runs
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
+    evidence = EvidenceAttention(model) if any(ph.evidence_loss > 0 for ph in recipe.phases) else None
     balance = RouterBalance(model, recipe.router_bias_rate)
     end = recipe.total_steps if max_steps is None else min(max_steps, recipe.total_steps)
     if stages is not None:
@@ -197,7 +199,9 @@ def train(
             set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
             with settings.applied(dev):
-                parts = accumulate_gradients(model, spec, batch, phase, recipe, distill, dev, micro_batch)
+                parts = accumulate_gradients(
+                    model, spec, batch, phase, recipe, distill, dev, micro_batch, evidence
+                )
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
             opt.step()
             balance.update()
@@ -238,7 +242,9 @@ def train(
                 write_stage(model, out / STAGE_DIR, recipe, info, shard_bytes)
                 if ship and shipped_dir(recipe) is not None:
                     ship_stage(out / STAGE_DIR, shipped_dir(recipe))  # type: ignore[arg-type]
-                log_record(out, {"step": step, "stage_end": stage, "stage_seconds": stage_seconds[str(stage)]})
+                log_record(
+                    out, {"step": step, "stage_end": stage, "stage_seconds": stage_seconds[str(stage)]}
+                )
                 bar.write(f"stage {stage} ended at step {step}: checkpoint in {out / STAGE_DIR}")
             if stop.requested:
                 bar.write(f"SIGTERM: state saved at step {step}; resume with --resume")
@@ -247,6 +253,8 @@ def train(
         stop.restore()
         bar.close()
         distill.remove()
+        if evidence is not None:
+            evidence.remove()
         balance.remove()
     exported = False
     if step >= recipe.total_steps and evaluate_at_end:
@@ -278,11 +286,15 @@ def accumulate_gradients(
     distill: IndexerDistillation,
     device: torch.device,
     micro_batch: int | None = None,
+    evidence: EvidenceAttention | None = None,
 ) -> dict[str, float]:
     """Forward and backward of one batch in micro-batches; returns the logged loss parts.
 
     Each micro-batch's path losses are weighted by its share of the batch's loss targets, so the
-    accumulated gradient is that of the whole batch's mean losses (up to summation order).
+    accumulated gradient is that of the whole batch's mean losses (up to summation order). With
+    `evidence` (installed when a phase has `evidence_loss` > 0) and `phase.evidence_loss` > 0,
+    the full path's evidence-attention loss of each micro-batch's questions is added at that
+    weight, averaged over micro-batches.
     """
     size = phase.batch
     micro = max(1, min(size, micro_batch or phase.micro_batch or size))
@@ -293,6 +305,8 @@ def accumulate_gradients(
     n_micro = -(-size // micro)
     for i0 in range(0, size, micro):
         rows = slice(i0, min(size, i0 + micro))
+        if evidence is not None and phase.evidence_loss > 0:
+            evidence.arm(batch.evidence[rows], ids.shape[1])
         parts = path_losses(
             model,
             spec,
@@ -318,6 +332,10 @@ def accumulate_gradients(
         if kl is not None:
             total = total + recipe.indexer_loss * kl / n_micro
             logged["indexer_kl"] = logged.get("indexer_kl", 0.0) + float(kl.detach()) / n_micro
+        found = evidence.pop() if evidence is not None else None
+        if found is not None:
+            total = total + phase.evidence_loss * found / n_micro
+            logged["evidence"] = logged.get("evidence", 0.0) + float(found.detach()) / n_micro
         total.backward()
     return logged
 

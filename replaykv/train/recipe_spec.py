@@ -103,7 +103,9 @@ class Phase:
     batch. `prompt_from`: the shortest prompt as a share of the row (at least W + 1 tokens; the
     longest leaves the answer budget). `index_topk`: how many compressed entries each indexer
     selects during the phase (None: the preset's; it shapes no parameter, and a stage checkpoint
-    written in the phase records it in its config)."""
+    written in the phase records it in its config). `evidence_loss`: the weight of the
+    evidence-attention loss on lookup rows' one-link questions (0: off; see
+    :mod:`replaykv.train.evidence`)."""
 
     name: str
     steps: int
@@ -117,6 +119,7 @@ class Phase:
     cycle: tuple[tuple[int, int, int | None], ...] = ()
     prompt_from: float = 0.5
     index_topk: int | None = None
+    evidence_loss: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -131,6 +134,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: answer_weight must be positive")
         if not self.copy_weight > 0:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
+        if not self.evidence_loss >= 0:
+            raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,

@@ -171,7 +171,7 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
     rng = np.random.default_rng(11)
     hops = set()
     for _ in range(20):
-        ids, answers, inserted = lookup_row(rng, corpus["train"], 2048)
+        ids, answers, inserted, evidence = lookup_row(rng, corpus["train"], 2048)
         assert ids.shape == answers.shape == inserted.shape == (2048,) and not (answers & ~inserted).any()
         text = bytes(int(i) if i < 256 else 0 for i in ids)
         links = {m.group(1): (m.group(2), m.end()) for m in record.finditer(text)}
@@ -187,13 +187,19 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
             expected[q.start(3) : q.end(3)] = True
             hops.add(int(q.group(1)))
         assert (answers == expected).all()
+        # Each one-link question's evidence: the row before its answer and its record's span.
+        one_link = [q for q in asked if q.group(1) == b"1"]
+        assert len(evidence) == len(one_link) and one_link
+        for q, e in zip(one_link, evidence, strict=True):
+            assert e.query == q.start(3) - 1 and e.hi <= q.start()
+            assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
         pairs = [(q.group(1), q.group(2)) for q in asked]
         assert len(set(pairs)) == len(pairs)  # no question twice: a repeat would be a copy
     assert hops == {1, 2, 3}
 
     # In segments, every question sits within its segment, after the records it needs.
     for _ in range(20):
-        ids, answers, inserted = lookup_row(rng, corpus["train"], 1024, segment=256)
+        ids, answers, inserted, _ = lookup_row(rng, corpus["train"], 1024, segment=256)
         text = bytes(int(i) if i < 256 else 0 for i in ids)
         links = {m.group(1): (m.group(2), m.start(), m.end()) for m in record.finditer(text)}
         asked = list(question.finditer(text))
@@ -208,7 +214,9 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
         Mixture(lookup_segment=-1)
 
     mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, lookup=1.0)
-    recipe = dataclasses.replace(tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=())
+    recipe = dataclasses.replace(
+        tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=()
+    )
     batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
     assert batch.kinds == ("lookup", "lookup")
     for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
@@ -247,7 +255,9 @@ def test_a_cycled_phase_takes_its_row_shapes_in_turn(corpus) -> None:  # type: i
     shapes = [tuple(sampler.batch(first + k).ids.shape) for k in range(5)]
     assert shapes == [(4, 128), (2, 256), (4, 128), (2, 256), (4, 128)]
     assert [recipe.phase_at(first + k).micro_batch for k in range(3)] == [2, None, 2]
-    assert recipe.phase_at(first + 1).cycle == () and recipe.phase_at(first + 9).seq_len == 128  # past the end: the last
+    assert (
+        recipe.phase_at(first + 1).cycle == () and recipe.phase_at(first + 9).seq_len == 128
+    )  # past the end: the last
     assert phase.tokens == 3 * 4 * 128 + 2 * 2 * 256 and phase.describe() == "4 × 128 / 2 × 256 in turn"
     assert recipe.total_tokens == recipe.phases[0].tokens + phase.tokens
     # prompt_from lowers the shortest prompt: 256-token rows get prompts from 64 tokens on
@@ -255,7 +265,9 @@ def test_a_cycled_phase_takes_its_row_shapes_in_turn(corpus) -> None:  # type: i
     wide = dataclasses.replace(phase, steps=400)
     lows = {
         name: min(
-            MixtureSampler(corpus["train"], dataclasses.replace(recipe, phases=(p,)), window=32).batch(k).prompt_len
+            MixtureSampler(corpus["train"], dataclasses.replace(recipe, phases=(p,)), window=32)
+            .batch(k)
+            .prompt_len
             for k in range(1, 400, 2)
         )
         for name, p in (("half", longer), ("quarter", wide))

@@ -1,0 +1,124 @@
+"""The evidence-attention loss: at a lookup's question, the attention over compressed entries is
+taught to find the record the question asks for.
+
+A lookup by a code drawn for the prompt has to match the question's code against a record's
+through the compressed entries once the record lies before the question's window. The
+language-model loss reaches that match only through the answer's bytes; on its own it taught
+the `small` model where records are but hardly which one is asked (docs/training.md, "the match
+by code is weak"). This loss adds the direct signal the data already know: for every question
+row of a batch (`replaykv.train.data.Evidence`), in every layer that reads compressed entries,
+the negative log of the attention mass, averaged over heads, that the row's query puts on the
+entries covering the record, out of a softmax over the entries it may see. The softmax leaves
+out the window and the sink, so the loss shapes which entry wins among the entries and not
+how much a layer reads them at all, and it spans every visible entry rather than the top-k, so
+that the match is learnt before the indexer selects it (the indexer then learns to select it
+from the same attention; see :mod:`replaykv.train.distill`).
+
+Not for: the indexer's own loss (:mod:`replaykv.train.distill`), the language-model losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from replaykv.model.compressor import causal_entry_limit
+from replaykv.model.rope import apply_rope
+from replaykv.model.step import Step
+from replaykv.train.data import Evidence
+
+_FLOOR = 1e-6  # mass floor inside the log: a record with no mass costs log(1e6) ≈ 14, not inf
+
+
+class EvidenceAttention:
+    """Forward hooks on every attention block with compressed entries. `arm(rows, length)` sets
+    the questions of the next forward (per row of the micro-batch, the `Evidence` of its
+    questions) and the length of the rows; a forward over exactly those rows from position 0
+    with autograd on records each layer's loss; `pop()` returns the mean over the recorded
+    layers and questions (None when nothing was recorded) and disarms. `remove()` drops the
+    hooks."""
+
+    def __init__(self, model: Any) -> None:
+        self._rows: tuple[tuple[Evidence, ...], ...] = ()
+        self._length = 0
+        self._losses: list[torch.Tensor] = []
+        self._seen: set[int] = set()  # layers recorded since `arm`: a later path's pass adds none
+        self._handles = [
+            layer.self_attn.register_forward_hook(self._hook)
+            for layer in model.model.layers
+            if getattr(getattr(layer, "self_attn", None), "ratio", 0)  # None: another stage's
+        ]
+
+    def arm(self, rows: tuple[tuple[Evidence, ...], ...], length: int) -> None:
+        self._rows, self._length = rows, length
+        self._losses.clear()
+        self._seen.clear()
+
+    def pop(self) -> torch.Tensor | None:
+        total = torch.stack(self._losses).mean() if self._losses else None
+        self.arm((), 0)
+        return total
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, attn: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, step, cache = args[0], args[1], args[2]
+        if (
+            not torch.is_grad_enabled()
+            or not any(self._rows)
+            or x.shape[0] != len(self._rows)
+            or x.shape[1] != self._length
+            or any(step.start_host)
+            or step.context is not None
+            or attn.layer in self._seen
+        ):
+            return
+        self._seen.add(attn.layer)
+        loss = evidence_loss(attn, x, step, cache.entries, self._rows)
+        if loss is not None:
+            self._losses.append(loss)
+
+
+def evidence_loss(
+    attn: Any,
+    x: torch.Tensor,
+    step: Step,
+    entries: torch.Tensor,
+    rows: tuple[tuple[Evidence, ...], ...],
+) -> torch.Tensor | None:
+    """Mean over questions of -log(mean over heads of the query's mass on its record's entries).
+
+    x [B, S, hidden]: the block's (normed) input over positions [0, S); entries [B, N, D]: the
+    layer's compressed entries (written by this forward, gradients flowing to their source)."""
+    r = attn.ratio
+    found = [(b, e) for b, row in enumerate(rows) for e in row if e.query < x.shape[1]]
+    if not found:
+        return None
+    batch = torch.tensor([b for b, _ in found], device=x.device)
+    query = torch.tensor([e.query for _, e in found], device=x.device)
+    lo = torch.tensor([e.lo for _, e in found], device=x.device)
+    hi = torch.tensor([e.hi for _, e in found], device=x.device)
+    visible = causal_entry_limit(query, r)  # [Q]
+    n = int(visible.max())
+    if n == 0:
+        return None
+    xq = x[batch, query]  # [Q, hidden]
+    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(xq))).view(len(found), 1, attn.n_heads, attn.head_dim)
+    cos, sin = (t[batch, query][:, None] for t in step.rope.heads(attn.rope_kind))
+    q = apply_rope(q, cos, sin)[:, 0].float()  # [Q, H, D]
+    keys = entries[batch, :n].float()  # [Q, N, D]
+    logits = torch.einsum("qhd,qnd->qhn", q, keys) * attn.head_dim**-0.5
+    ids = torch.arange(n, device=x.device)
+    logits = logits.masked_fill((ids >= visible[:, None])[:, None], float("-inf"))
+    # an entry covers positions [id·r, id·r + r): the record's entries are those it overlaps
+    covers = (ids * r + r > lo[:, None]) & (ids * r < hi[:, None]) & (ids < visible[:, None])  # [Q, N]
+    keep = covers.any(dim=1)  # a record not yet compressed at its query has nothing to find
+    if not bool(keep.any()):
+        return None
+    probs = torch.softmax(logits[keep], dim=-1)  # [Q', H, N]
+    mass = (probs * covers[keep][:, None].to(probs.dtype)).sum(-1).mean(-1)  # [Q']
+    return -torch.log(mass + _FLOOR).mean()

@@ -1,0 +1,152 @@
+"""The evidence-attention loss: it scores the attention the layers compute (checked against the
+real attention's own queries and entries), reaches queries and the source's compressor, lowers
+when trained, leaves the language-model loss and a recipe without it untouched, and is refused
+where it is not implemented (pipeline training)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import replaykv.model.v41 as v41
+from replaykv.model.compressor import causal_entry_limit
+from replaykv.model.init import init_weights
+from replaykv.model.presets_v41 import v41_tiny
+from replaykv.model.spec import ModelSpec
+from replaykv.model.v41 import DeepseekV41ForCausalLM
+from replaykv.train.data import Batch, Evidence, lookup_row
+from replaykv.train.distill import IndexerDistillation
+from replaykv.train.evidence import EvidenceAttention
+from replaykv.train.loop import accumulate_gradients
+from replaykv.train.paths import path_losses
+from replaykv.train.pipeline.run import _check_recipe
+from replaykv.train.recipes import Mixture, Phase, tiny
+
+LENGTH = 256
+
+
+def _model() -> DeepseekV41ForCausalLM:
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(v41_tiny())
+    init_weights(model, seed=0)
+    return model
+
+
+def _rows(corpus, n: int = 2) -> tuple[torch.Tensor, tuple[tuple[Evidence, ...], ...]]:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(3)
+    ids, evidence = [], []
+    while len(ids) < n:
+        row, _, _, found = lookup_row(rng, corpus["train"], LENGTH)
+        if found:
+            ids.append(torch.from_numpy(row))
+            evidence.append(tuple(found))
+    return torch.stack(ids), tuple(evidence)
+
+
+def _reference(captured, rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """From the queries and entries the attention itself received: per layer and question, the
+    mean over heads of the softmax mass on the record's entries among the visible ones."""
+    losses = []
+    for q, entries, ratio, positions in captured:
+        per_layer = []
+        for b, row in enumerate(rows):
+            for e in row:
+                visible = int(causal_entry_limit(positions[b, e.query], ratio))
+                covered = [i for i in range(visible) if i * ratio + ratio > e.lo and i * ratio < e.hi]
+                if not covered:
+                    continue
+                heads = []
+                for h in range(q.shape[2]):
+                    logits = [
+                        float(q[b, e.query, h] @ entries[b, i]) / q.shape[-1] ** 0.5 for i in range(visible)
+                    ]
+                    p = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+                    heads.append(float(p[covered].sum()))
+                per_layer.append(-np.log(np.mean(heads) + 1e-6))
+        losses.append(np.mean(per_layer))
+    return torch.tensor(np.mean(losses))
+
+
+def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    spec = ModelSpec.from_config(model.config)
+    ids, rows = _rows(corpus)
+    captured = []
+    real = v41.joint_attention
+
+    def capture(q, win_keys, step, w, sinks, entries=None, ratio=0, selection=None):  # type: ignore[no-untyped-def]
+        if entries is not None and q.shape[1] == LENGTH:
+            captured.append((q.detach().float(), entries.detach().float(), ratio, step.positions))
+        return real(q, win_keys, step, w, sinks, entries, ratio, selection)
+
+    monkeypatch.setattr(v41, "joint_attention", capture)
+    hooks = EvidenceAttention(model)
+    hooks.arm(rows, LENGTH)
+    path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
+    got = hooks.pop()
+    hooks.remove()
+    layers_with_entries = sum(1 for r in model.config.compress_ratios if r)
+    assert got is not None and len(captured) == layers_with_entries
+    assert float(got.detach()) == pytest.approx(float(_reference(captured, rows)), rel=1e-5)
+    assert hooks.pop() is None  # popped and disarmed
+
+
+def test_the_loss_trains_queries_and_the_compressor_and_falls(corpus) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    spec = ModelSpec.from_config(model.config)
+    ids, rows = _rows(corpus)
+    hooks = EvidenceAttention(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    seen = []
+    for i in range(15):
+        opt.zero_grad()
+        hooks.arm(rows, LENGTH)
+        path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
+        loss = hooks.pop()
+        assert loss is not None
+        loss.backward()
+        if i == 0:
+            attn = model.model.layers
+            reuse, source = attn[3].self_attn, attn[2].self_attn  # layer 3 reads layer 2's entries
+            assert float(reuse.q_b_proj.weight.grad.abs().sum()) > 0
+            assert source.compressor is not None
+            assert any(
+                float(p.grad.abs().sum()) > 0 for p in source.compressor.parameters() if p.grad is not None
+            )
+        opt.step()
+        seen.append(float(loss))
+    hooks.remove()
+    assert seen[-1] < 0.8 * seen[0], seen
+
+
+def test_a_recipe_without_it_is_unchanged_and_with_it_adds_only_its_term(corpus) -> None:  # type: ignore[no-untyped-def]
+    ids, rows = _rows(corpus, n=2)
+    recipe = tiny()
+    batch = Batch(
+        ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0, ("lookup",) * 2, (None,) * 2, rows
+    )
+    logged, grads = {}, {}
+    for weight in (0.0, 0.5):
+        model = _model()
+        spec = ModelSpec.from_config(model.config)
+        distill = IndexerDistillation(model, 0)
+        hooks = EvidenceAttention(model) if weight else None
+        phase = Phase("base", 4, LENGTH, 2, Mixture(lookup=1.0), evidence_loss=weight)
+        logged[weight] = accumulate_gradients(
+            model, spec, batch, phase, recipe, distill, torch.device("cpu"), 1, hooks
+        )
+        grads[weight] = model.model.layers[3].self_attn.q_b_proj.weight.grad.clone()
+    assert "evidence" not in logged[0.0] and logged[0.5]["evidence"] > 0
+    assert logged[0.5]["full"] == logged[0.0]["full"]  # the language-model loss is the same forward
+    assert logged[0.5]["loss"] == logged[0.0]["loss"]
+    assert not torch.equal(grads[0.5], grads[0.0])
+
+
+def test_pipeline_training_refuses_it() -> None:
+    _check_recipe(tiny())
+    phase = dataclasses.replace(tiny().phases[0], evidence_loss=0.5)
+    with pytest.raises(NotImplementedError, match="evidence-attention loss"):
+        _check_recipe(dataclasses.replace(tiny(), phases=(phase,)))
