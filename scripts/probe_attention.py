@@ -11,6 +11,8 @@ computes it. Only records that end before the question's window are counted, so 
 entries are the one way to them. A layer that finds a record by its code puts more mass on it
 when its code is asked than when another record's is: the two means and their ratio are printed
 per layer. A ratio near 1 means the layer reads records by their place or kind, not their code.
+`--part code` measures the mass on each record's own code A instead, `--part record` on the
+whole record `A -> B`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from probe_lookups import CELLS, cases_of
 
 ARROW = list(b" -> ")
 CODE = 4  # characters of a record's code (replaykv.train.tasks' multi-hop records)
+# [lo, hi) of each part of a record `A -> B`, from its first byte
+PARTS = {
+    "answer": (CODE + len(ARROW), 2 * CODE + len(ARROW)),
+    "code": (0, CODE),
+    "record": (0, 2 * CODE + len(ARROW)),
+}
 
 
 class LastRowAttention:
@@ -85,7 +93,9 @@ def main() -> None:
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--cases", type=int, default=12)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--part", choices=tuple(PARTS), default="answer", help="which part of each record")
     args = p.parse_args()
+    part_lo, part_hi = PARTS[args.part]
     torch.set_num_threads(args.threads)
     model = load_model(args.model).float().eval()
     spec = ModelSpec.from_config(model.config)
@@ -113,15 +123,16 @@ def main() -> None:
                 first = entry_ids * ratio  # an entry covers positions [first, first + ratio)
                 m = mass.setdefault(layer, np.zeros((len(records), len(records))))
                 for b, rec in enumerate(records):
-                    b0 = rec + CODE + len(ARROW)
-                    cover = (first + ratio > b0) & (first < b0 + CODE)
+                    cover = (first + ratio > rec + part_lo) & (first < rec + part_hi)
                     m[a, b] = probs[:, cover].sum(1).max().item()
         for layer, m in mass.items():
             k = len(records)
             asked.setdefault(layer, []).append(float(np.trace(m)) / k)
             other.setdefault(layer, []).append(float(m.sum() - np.trace(m)) / (k * k - k))
     probe.remove()
-    print(f"{label} @ {args.length}: {prompts} prompts, records before the window asked in turn")
+    print(
+        f"{label} @ {args.length}: {prompts} prompts, records before the window asked in turn; part: {args.part}"
+    )
     print("layer  mass on the asked record  on another record  ratio")
     for layer in sorted(asked):
         x, y = float(np.mean(asked[layer])), float(np.mean(other[layer]))
