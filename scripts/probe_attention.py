@@ -28,7 +28,6 @@ import torch
 from replaykv.cache.views import allocate_view
 from replaykv.model.checkpoint import load_model
 from replaykv.model.compressor import causal_entry_limit, ordered_ring
-from replaykv.model.rope import apply_rope
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import load_corpus
 
@@ -61,9 +60,8 @@ class LastRowAttention:
         x, step, cache, selection = args[:4]
         s, w, d = x.shape[1], attn.window, attn.head_dim
         with torch.no_grad():
-            q_res = attn.q_a_norm(attn.q_a_proj(x[:1, -1:]))
-            cos, sin = (t[:1, -1:] for t in step.rope.heads(attn.rope_kind))
-            q = apply_rope(attn.q_b_proj(q_res).view(1, 1, attn.n_heads, d), cos, sin)[0, 0].float()
+            tables = (t[:1, -1:] for t in step.rope.heads(attn.rope_kind))
+            q = attn.queries(x[:1, -1:], *tables)[1][0, 0].float()  # [H, D]
             window = ordered_ring(cache.window[:1], step.start[:1] + s, w)[0].float()  # [W, D]
             visible = int(causal_entry_limit(step.positions[:1, -1], attn.ratio)[0])
             ids = torch.arange(visible, device=x.device)

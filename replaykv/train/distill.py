@@ -106,9 +106,8 @@ class IndexerDistillation:
         xr = x.detach()[:, rows]
         r = xr.shape[1]
         with torch.no_grad():
-            q_res = attn.q_a_norm(attn.q_a_proj(xr))
-            cos, sin = (t[:, rows] for t in step.rope.heads(attn.rope_kind))
-            q = apply_rope(attn.q_b_proj(q_res).view(b, r, attn.n_heads, attn.head_dim), cos, sin).float()
+            q_res, q = attn.queries(xr, *(t[:, rows] for t in step.rope.heads(attn.rope_kind)))
+            q = q.float()
             entries = cache.entries[:, :n].detach().float()
             logits = torch.einsum("brhd,bnd->brhn", q, entries) * attn.head_dim**-0.5
             logits = logits.masked_fill(~visible[:, :, None], float("-inf"))

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from replaykv.model.compressor import causal_entry_limit
-from replaykv.model.rope import apply_rope
 from replaykv.model.step import Step
 from replaykv.train.data import Evidence
 
@@ -106,10 +105,8 @@ def evidence_loss(
     n = int(visible.max())
     if n == 0:
         return None
-    xq = x[batch, query]  # [Q, hidden]
-    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(xq))).view(len(found), 1, attn.n_heads, attn.head_dim)
-    cos, sin = (t[batch, query][:, None] for t in step.rope.heads(attn.rope_kind))
-    q = apply_rope(q, cos, sin)[:, 0].float()  # [Q, H, D]
+    tables = (t[batch, query] for t in step.rope.heads(attn.rope_kind))
+    q = attn.queries(x[batch, query], *tables)[1].float()  # [Q, H, D]
     keys = entries[batch, :n].float()  # [Q, N, D]
     logits = torch.einsum("qhd,qnd->qhn", q, keys) * attn.head_dim**-0.5
     ids = torch.arange(n, device=x.device)

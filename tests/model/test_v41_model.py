@@ -11,15 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import replaykv.model.v41 as v41_module
+import replaykv.model.attention_v41 as attention_v41
 from replaykv.cache.views import advance, allocate_view
 from replaykv.model.attention import joint_attention
+from replaykv.model.attention_v41 import IndexerV41
 from replaykv.model.checkpoint import load_model, read_state_dict, save_pretrained
 from replaykv.model.init import init_weights
 from replaykv.model.layers import sinkhorn
 from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
-from replaykv.model.v41 import DeepseekV41ForCausalLM, IndexerV41
+from replaykv.model.v41 import DeepseekV41ForCausalLM
 from tests.model.v41_reference import reference_logits
 from tests.model.v41_reference import sinkhorn as reference_sinkhorn
 
@@ -62,7 +63,7 @@ def run(
     """Logits [S, vocab] of `ids` fed in `chunks`. `record` collects every index source's
     selections; `window_q` collects each layer's quantised window entries [S, D]."""
     view = allocate_view(ModelSpec.from_config(model.config), 1, ids.shape[1])
-    orig_select, orig_fp8 = IndexerV41.select, v41_module.fp8_window_fake_quant
+    orig_select, orig_fp8 = IndexerV41.select, attention_v41.fp8_window_fake_quant
     calls: list[torch.Tensor] = []
 
     def recording(self, x, q_res, keys, step, selection):  # type: ignore[no-untyped-def]
@@ -76,7 +77,7 @@ def run(
         return out
 
     IndexerV41.select = recording  # type: ignore[method-assign]
-    v41_module.fp8_window_fake_quant = fp8  # type: ignore[assignment]
+    attention_v41.fp8_window_fake_quant = fp8  # type: ignore[assignment]
     try:
         outs, pos = [], 0
         with torch.inference_mode():
@@ -86,7 +87,7 @@ def run(
                 pos += c
     finally:
         IndexerV41.select = orig_select  # type: ignore[method-assign]
-        v41_module.fp8_window_fake_quant = orig_fp8  # type: ignore[assignment]
+        attention_v41.fp8_window_fake_quant = orig_fp8  # type: ignore[assignment]
     if window_q is not None:
         n_layers = model.config.num_hidden_layers
         window_q.extend(torch.cat(calls[i::n_layers], dim=0) for i in range(n_layers))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import replaykv.model.v41 as v41
+import replaykv.model.attention_v41 as attention_v41
 from replaykv.model.compressor import causal_entry_limit
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny
@@ -75,14 +75,14 @@ def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch) ->
     spec = ModelSpec.from_config(model.config)
     ids, rows = _rows(corpus)
     captured = []
-    real = v41.joint_attention
+    real = attention_v41.joint_attention
 
     def capture(q, win_keys, step, w, sinks, entries=None, ratio=0, selection=None):  # type: ignore[no-untyped-def]
         if entries is not None and q.shape[1] == LENGTH:
             captured.append((q.detach().float(), entries.detach().float(), ratio, step.positions))
         return real(q, win_keys, step, w, sinks, entries, ratio, selection)
 
-    monkeypatch.setattr(v41, "joint_attention", capture)
+    monkeypatch.setattr(attention_v41, "joint_attention", capture)
     hooks = EvidenceAttention(model)
     hooks.arm(rows, LENGTH)
     path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)

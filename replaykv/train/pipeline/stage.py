@@ -31,19 +31,14 @@ import torch
 from torch import nn
 
 from replaykv.cache.views import allocate_view
+from replaykv.model.attention_v41 import AttentionV41, IndexerV41, publish_groups
 from replaykv.model.cache_view import CacheView
 from replaykv.model.compressor import scatter_entries
 from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.layers import RMSNorm
 from replaykv.model.spec import ModelSpec
 from replaykv.model.step import Residual, Selection
-from replaykv.model.v41 import (
-    AttentionV41,
-    DecoderLayerV41,
-    DeepseekV41ForCausalLM,
-    IndexerV41,
-    publish_groups,
-)
+from replaykv.model.v41 import DecoderLayerV41, DeepseekV41ForCausalLM
 from replaykv.train.context import ContextShards
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.paths import CacheGuard
