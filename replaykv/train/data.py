@@ -269,10 +269,12 @@ def lookup_row(
 
     links = [(c, a, b) for c, chain in enumerate(chains) for a, b in itertools.pairwise(chain)]
     placed: dict[tuple[str, str], int] = {}
+    span = {(a, b): len(f"{a} -> {b}") for _, a, b in links}
     for c, a, b in (links[i] for i in rng.permutation(len(links))):
         at = put(f"\n{a} -> {b}\n".encode(), *records_span(c))
         if at is not None:
             placed[(a, b)] = at + 1  # the record's first byte, after its newline
+    records = tuple(sorted((at, at + span[link]) for link, at in placed.items()))
     evidence: list[Evidence] = []
     for c, chain in enumerate(chains):
         pairs = [(i, h) for i in range(len(chain) - 1) for h in range(1, len(chain) - i)]
@@ -285,9 +287,9 @@ def lookup_row(
             if at is not None:
                 answer[at + len(question) : at + len(question) + len(chain[i + h])] = True
                 if h == 1:
-                    first = placed[(chain[i], chain[i + 1])]
-                    size = len(f"{chain[i]} -> {chain[i + 1]}")
-                    evidence.append(Evidence(at + len(question) - 1, first, first + size))
+                    link = (chain[i], chain[i + 1])
+                    first = placed[link]
+                    evidence.append(Evidence(at + len(question) - 1, first, first + span[link], records))
     return ids, answer, used, sorted(evidence, key=lambda e: e.query)
 
 
@@ -306,11 +308,13 @@ def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
 class Evidence:
     """Where an answer's evidence is: the row `query` that predicts the answer's first byte and
     the positions [lo, hi) of the text it needs (a lookup's record `A -> B`), for the
-    evidence-attention loss (:mod:`replaykv.train.evidence`)."""
+    evidence-attention loss (:mod:`replaykv.train.evidence`); `records`: the [lo, hi) of every
+    record of the row (the needed one among them), the rivals of its contrastive form."""
 
     query: int
     lo: int
     hi: int
+    records: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

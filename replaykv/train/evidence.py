@@ -14,6 +14,11 @@ how much a layer reads them at all, and it spans every visible entry rather than
 that the match is learnt before the indexer selects it (the indexer then learns to select it
 from the same attention; see :mod:`replaykv.train.distill`).
 
+The contrastive form (`contrast`, `Phase.evidence_contrast`) takes the softmax over the entries
+covering the row's records only (`Evidence.records`): a layer earns nothing by reading every
+record alike, only by reading the asked record more than its rivals, which is the match by code
+itself. A question with no rival record visible yet is left out.
+
 Not for: the indexer's own loss (:mod:`replaykv.train.distill`), the language-model losses.
 """
 
@@ -41,6 +46,7 @@ class EvidenceAttention:
     def __init__(self, model: Any) -> None:
         self._rows: tuple[tuple[Evidence, ...], ...] = ()
         self._length = 0
+        self._contrast = False
         self._losses: list[torch.Tensor] = []
         self._seen: set[int] = set()  # layers recorded since `arm`: a later path's pass adds none
         self._handles = [
@@ -49,8 +55,8 @@ class EvidenceAttention:
             if getattr(getattr(layer, "self_attn", None), "ratio", 0)  # None: another stage's
         ]
 
-    def arm(self, rows: tuple[tuple[Evidence, ...], ...], length: int) -> None:
-        self._rows, self._length = rows, length
+    def arm(self, rows: tuple[tuple[Evidence, ...], ...], length: int, contrast: bool = False) -> None:
+        self._rows, self._length, self._contrast = rows, length, contrast
         self._losses.clear()
         self._seen.clear()
 
@@ -77,7 +83,7 @@ class EvidenceAttention:
         ):
             return
         self._seen.add(attn.layer)
-        loss = evidence_loss(attn, x, step, cache.entries, self._rows)
+        loss = evidence_loss(attn, x, step, cache.entries, self._rows, self._contrast)
         if loss is not None:
             self._losses.append(loss)
 
@@ -88,8 +94,10 @@ def evidence_loss(
     step: Step,
     entries: torch.Tensor,
     rows: tuple[tuple[Evidence, ...], ...],
+    contrast: bool = False,
 ) -> torch.Tensor | None:
-    """Mean over questions of -log(mean over heads of the query's mass on its record's entries).
+    """Mean over questions of -log(mean over heads of the query's mass on its record's entries),
+    the softmax over every visible entry or, with `contrast`, over those covering a record.
 
     x [B, S, hidden]: the block's (normed) input over positions [0, S); entries [B, N, D]: the
     layer's compressed entries (written by this forward, gradients flowing to their source)."""
@@ -110,12 +118,25 @@ def evidence_loss(
     keys = entries[batch, :n].float()  # [Q, N, D]
     logits = torch.einsum("qhd,qnd->qhn", q, keys) * attn.head_dim**-0.5
     ids = torch.arange(n, device=x.device)
-    logits = logits.masked_fill((ids >= visible[:, None])[:, None], float("-inf"))
+    pool = ids < visible[:, None]  # [Q, N]
     # an entry covers positions [id·r, id·r + r): the record's entries are those it overlaps
-    covers = (ids * r + r > lo[:, None]) & (ids * r < hi[:, None]) & (ids < visible[:, None])  # [Q, N]
+    covers = (ids * r + r > lo[:, None]) & (ids * r < hi[:, None]) & pool  # [Q, N]
     keep = covers.any(dim=1)  # a record not yet compressed at its query has nothing to find
+    if contrast:
+        pool = pool & _covering([e.records for _, e in found], ids, r)
+        keep &= (pool & ~covers).any(dim=1)  # a rival to tell it from
+    logits = logits.masked_fill(~pool[:, None], float("-inf"))
     if not bool(keep.any()):
         return None
     probs = torch.softmax(logits[keep], dim=-1)  # [Q', H, N]
     mass = (probs * covers[keep][:, None].to(probs.dtype)).sum(-1).mean(-1)  # [Q']
     return -torch.log(mass + _FLOOR).mean()
+
+
+def _covering(records: list[tuple[tuple[int, int], ...]], ids: torch.Tensor, r: int) -> torch.Tensor:
+    """[Q, N] bool: entry `ids[n]` overlaps one of question q's records [lo, hi)."""
+    out = torch.zeros(len(records), len(ids), dtype=torch.bool, device=ids.device)
+    for q, spans in enumerate(records):
+        for lo, hi in spans:
+            out[q] |= (ids * r + r > lo) & (ids * r < hi)
+    return out

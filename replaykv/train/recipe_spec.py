@@ -105,7 +105,8 @@ class Phase:
     selects during the phase (None: the preset's; it shapes no parameter, and a stage checkpoint
     written in the phase records it in its config). `evidence_loss`: the weight of the
     evidence-attention loss on lookup rows' one-link questions (0: off; see
-    :mod:`replaykv.train.evidence`)."""
+    :mod:`replaykv.train.evidence`); `evidence_contrast`: its contrastive form, the asked record
+    against the row's other records instead of against every entry."""
 
     name: str
     steps: int
@@ -120,6 +121,7 @@ class Phase:
     prompt_from: float = 0.5
     index_topk: int | None = None
     evidence_loss: float = 0.0
+    evidence_contrast: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:

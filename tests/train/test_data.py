@@ -190,9 +190,12 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
         # Each one-link question's evidence: the row before its answer and its record's span.
         one_link = [q for q in asked if q.group(1) == b"1"]
         assert len(evidence) == len(one_link) and one_link
+        # ... and every record of the row, its rivals in the contrastive form.
+        spans = tuple((m.start(1), m.end(2)) for m in record.finditer(text))
         for q, e in zip(one_link, evidence, strict=True):
             assert e.query == q.start(3) - 1 and e.hi <= q.start()
             assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
+            assert e.records == spans and (e.lo, e.hi) in spans
         pairs = [(q.group(1), q.group(2)) for q in asked]
         assert len(set(pairs)) == len(pairs)  # no question twice: a repeat would be a copy
     assert hops == {1, 2, 3}

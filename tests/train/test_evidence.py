@@ -40,29 +40,37 @@ def _rows(corpus, n: int = 2) -> tuple[torch.Tensor, tuple[tuple[Evidence, ...],
     ids, evidence = [], []
     while len(ids) < n:
         row, _, _, found = lookup_row(rng, corpus["train"], LENGTH)
-        if found:
+        if found and len(found[0].records) > 1:  # a rival record for the contrastive form
             ids.append(torch.from_numpy(row))
             evidence.append(tuple(found))
     return torch.stack(ids), tuple(evidence)
 
 
-def _reference(captured, rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _reference(captured, rows, contrast: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """From the queries and entries the attention itself received: per layer and question, the
-    mean over heads of the softmax mass on the record's entries among the visible ones."""
+    mean over heads of the softmax mass on the record's entries among the visible ones (with
+    `contrast`, among the visible ones that cover one of the row's records)."""
+
+    def overlaps(i: int, ratio: int, lo: int, hi: int) -> bool:
+        return i * ratio + ratio > lo and i * ratio < hi
+
     losses = []
     for q, entries, ratio, positions in captured:
         per_layer = []
         for b, row in enumerate(rows):
             for e in row:
                 visible = int(causal_entry_limit(positions[b, e.query], ratio))
-                covered = [i for i in range(visible) if i * ratio + ratio > e.lo and i * ratio < e.hi]
-                if not covered:
+                pool = [
+                    i
+                    for i in range(visible)
+                    if not contrast or any(overlaps(i, ratio, lo, hi) for lo, hi in e.records)
+                ]
+                covered = [k for k, i in enumerate(pool) if overlaps(i, ratio, e.lo, e.hi)]
+                if not covered or (contrast and len(covered) == len(pool)):
                     continue
                 heads = []
                 for h in range(q.shape[2]):
-                    logits = [
-                        float(q[b, e.query, h] @ entries[b, i]) / q.shape[-1] ** 0.5 for i in range(visible)
-                    ]
+                    logits = [float(q[b, e.query, h] @ entries[b, i]) / q.shape[-1] ** 0.5 for i in pool]
                     p = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
                     heads.append(float(p[covered].sum()))
                 per_layer.append(-np.log(np.mean(heads) + 1e-6))
@@ -70,7 +78,8 @@ def _reference(captured, rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
     return torch.tensor(np.mean(losses))
 
 
-def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("contrast", [False, True], ids=["entries", "records"])
+def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     spec = ModelSpec.from_config(model.config)
     ids, rows = _rows(corpus)
@@ -84,13 +93,13 @@ def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch) ->
 
     monkeypatch.setattr(attention_v41, "joint_attention", capture)
     hooks = EvidenceAttention(model)
-    hooks.arm(rows, LENGTH)
+    hooks.arm(rows, LENGTH, contrast)
     path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
     got = hooks.pop()
     hooks.remove()
     layers_with_entries = sum(1 for r in model.config.compress_ratios if r)
     assert got is not None and len(captured) == layers_with_entries
-    assert float(got.detach()) == pytest.approx(float(_reference(captured, rows)), rel=1e-5)
+    assert float(got.detach()) == pytest.approx(float(_reference(captured, rows, contrast)), rel=1e-5)
     assert hooks.pop() is None  # popped and disarmed
 
 
