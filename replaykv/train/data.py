@@ -393,7 +393,7 @@ class MixtureSampler:
                 ids[row], answers, inserted, found = lookup_row(
                     rng, self.corpus, length, prose, phase.mixture.lookup_segment
                 )
-                evidence[row] = tuple(found)
+                evidence[row] = tuple(found) if "lookup" in phase.evidence_rows else ()
                 targets[row, 1:] = 1.0
                 targets[row, inserted] = 0.0
                 targets[row, answers] = phase.copy_weight
@@ -404,6 +404,10 @@ class MixtureSampler:
                 continue
             head = [*sample.prompt, *sample.answer, TOKENIZER.eos_id]
             ids[row, : len(head)] = head
+            if kind == "multihop" and kind in phase.evidence_rows:  # the answer's record, its rivals
+                records = sample.meta["records"]
+                lo, hi = next(r for r in records if sample.evidence[0] < r[0] < sample.evidence[1])
+                evidence[row] = (Evidence(len(sample.prompt) - 1, lo, hi, records),)
             ids[row, len(head) :] = self.corpus.window(rng, length - len(head), prose)
             targets[row, prompt_len : prompt_len + len(sample.answer)] = answer_weight
             for s0, s1 in sample.train_spans:

@@ -106,7 +106,10 @@ class Phase:
     written in the phase records it in its config). `evidence_loss`: the weight of the
     evidence-attention loss on lookup rows' one-link questions (0: off; see
     :mod:`replaykv.train.evidence`); `evidence_contrast`: its contrastive form, the asked record
-    against the row's other records instead of against every entry."""
+    against the row's other records instead of against every entry; `evidence_rows`: the row
+    kinds whose questions it reads (`lookup`: a lookup row's one-link questions; `multihop`: a
+    multi-hop task row's question, its evidence the record of the last link, every record of
+    the prompt its rivals)."""
 
     name: str
     steps: int
@@ -122,6 +125,7 @@ class Phase:
     index_topk: int | None = None
     evidence_loss: float = 0.0
     evidence_contrast: bool = False
+    evidence_rows: tuple[str, ...] = ("lookup",)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -138,6 +142,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
         if not self.evidence_loss >= 0:
             raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
+        if not set(self.evidence_rows) <= {"lookup", "multihop"}:
+            raise ValueError(f"phase {self.name}: evidence_rows are lookup and/or multihop rows")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,

@@ -6,6 +6,7 @@ where it is not implemented (pipeline training)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
 from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.train.data import Batch, Evidence, lookup_row
+from replaykv.train.data import Batch, Evidence, MixtureSampler, lookup_row
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evidence import EvidenceAttention
 from replaykv.train.loop import accumulate_gradients
@@ -159,3 +160,29 @@ def test_pipeline_training_refuses_it() -> None:
     phase = dataclasses.replace(tiny().phases[0], evidence_loss=0.5)
     with pytest.raises(NotImplementedError, match="evidence-attention loss"):
         _check_recipe(dataclasses.replace(tiny(), phases=(phase,)))
+
+
+def test_multihop_rows_carry_the_last_links_record_and_every_record_as_rivals(corpus) -> None:  # type: ignore[no-untyped-def]
+    record = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
+    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "multihop": 1.0})
+    phase = Phase("hops", 4, 512, 4, only, evidence_rows=("multihop",))
+    sampler = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128)
+    seen = 0
+    for step in range(3):
+        batch = sampler.batch(step)
+        for row, sample, found in zip(batch.ids, batch.samples, batch.evidence, strict=True):
+            if sample is None:  # a prompt the task could not fill falls back to text
+                assert found == ()
+                continue
+            assert sample.task == "multihop" and len(found) == 1
+            text = bytes(int(t) if t < 256 else 0 for t in row[: batch.prompt_len])
+            (e,) = found
+            assert e.query == batch.prompt_len - 1  # the row that predicts the answer's first byte
+            assert text[e.lo : e.hi].endswith(b" -> " + sample.answer_text.encode())
+            assert e.records == tuple((m.start(1), m.end(2)) for m in record.finditer(text))
+            seen += 1
+    assert seen >= 8
+    # Off by default: a phase that reads lookup rows gives a multi-hop row no evidence.
+    default = dataclasses.replace(phase, evidence_rows=("lookup",))
+    batch = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(default,)), 128).batch(0)
+    assert batch.evidence == ((),) * 4
