@@ -262,7 +262,7 @@ def multihop(
     ev_span = spans[-1]
     ev = (start + len(intro) + ev_span[0], start + len(intro) + ev_span[1])
     # every record's `A -> B` in the prompt (without its newlines): the evidence loss's rivals
-    records = tuple(sorted((start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans))
+    spans_in_prompt = tuple(sorted((start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans))
     return TaskSample(
         "multihop",
         tuple(ids),
@@ -270,7 +270,7 @@ def multihop(
         chain[-1],
         ev,
         1 / (hops + distractors),
-        meta={"hops": hops, "distractors": distractors, "records": records},
+        meta={"hops": hops, "distractors": distractors, "records": spans_in_prompt},
     )
 
 
