@@ -1,0 +1,82 @@
+"""Does a checkpoint continue a string it saw earlier, inside and beyond the window?
+
+    python scripts/probe_copies.py replaykv/weights/small --length 1024 --cases 16
+
+A lookup beyond the window and a copy beyond the window both go through the compressed entries;
+this probe tells them apart. Held-out filler (seed 777) gets a random 16-character string (upper
+case and digits, the copy rows' alphabet) written twice, the repeat `gap` bytes after the first
+copy ends; each of the repeat's characters is scored by teacher forcing (argmax hit and
+negative log-likelihood, per character index), for gaps inside the 128-token window and two
+ranges beyond it. A model that finds the earlier copy by the characters it has just read
+predicts the repeat from its second or third character on; the first is a guess (chance 1/36).
+One torch thread unless --threads says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from replaykv.cache.views import allocate_view
+from replaykv.model.checkpoint import load_model
+from replaykv.model.spec import ModelSpec
+from replaykv.train.data import COPY_ALPHABET, Corpus, load_corpus
+
+SEED = 777
+SIZE = 16
+GAPS = ((10, 60), (200, 400), (500, 800))  # inside the window; beyond it; far beyond it
+
+
+def score_gap(model: Any, heldout: Corpus, length: int, n: int, gap: tuple[int, int]) -> None:
+    """Per character index of the repeat: the share of cases whose argmax is right and the mean
+    negative log-likelihood (nats), printed on one line."""
+    spec = ModelSpec.from_config(model.config)
+    hits, nll = np.zeros(SIZE), np.zeros(SIZE)
+    for i in range(n):
+        rng = np.random.default_rng([SEED, i, gap[0]])
+        ids = heldout.window(rng, length, False).copy()
+        g = int(rng.integers(*gap))
+        text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), SIZE)].astype(np.int64)
+        first = int(rng.integers(0, length - g - 2 * SIZE - 8))
+        repeat = first + SIZE + g
+        ids[first : first + SIZE] = text
+        ids[repeat : repeat + SIZE] = text
+        row = torch.from_numpy(ids)[None]
+        view = allocate_view(spec, 1, length, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(row, view)[0].float(), -1)  # [L, V]
+        for k in range(SIZE):
+            t = repeat + k
+            nll[k] += -float(logp[t - 1, ids[t]])
+            hits[k] += int(int(logp[t - 1].argmax()) == ids[t])
+    print(
+        f"gap {gap[0]}-{gap[1]} ({n} cases): hit "
+        + " ".join(f"{h / n:.2f}" for h in hits)
+        + " | nats "
+        + " ".join(f"{x / n:.2f}" for x in nll),
+        flush=True,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--cases", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model).float().eval()
+    heldout = load_corpus()["heldout"]
+    t0 = time.perf_counter()
+    for gap in GAPS:
+        score_gap(model, heldout, args.length, args.cases, gap)
+    print(f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
