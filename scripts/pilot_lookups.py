@@ -10,10 +10,10 @@ and keeps its rate (no decay), trains `--steps` steps of `--batch` × `--seq-len
 mixture given by `--mixture` (the recipe's row kinds and weights), with the `small` recipe's
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
 replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive form,
-`--evidence-rows` the row kinds it reads), and is scored by scripts/probe_lookups.py's cells
-(teacher-forced and greedy, held-out filler) at each probe length. Arms run one after another
-in one process, so their batches are the same bits; the state of each arm is kept in OUT/ARM/
-for a longer look.
+`--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it counts),
+and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
+at each probe length. Arms run one after another in one process, so their batches are the same
+bits; the state of each arm is kept in OUT/ARM/ for a longer look.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         evidence_loss=args.evidence_loss,
         evidence_contrast=args.evidence_contrast,
         evidence_rows=tuple(args.evidence_rows.split(",")),
+        evidence_tail=args.evidence_tail,
     )
     return replace(
         base,
@@ -63,6 +64,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
             f"lookup-pilot-lr{lr:g}-segment{mixture.lookup_segment}-evidence{args.evidence_loss:g}"
             + ("-contrast" if args.evidence_contrast else "")
             + ("" if args.evidence_rows == "lookup" else f"-{args.evidence_rows.replace(',', '+')}")
+            + (f"-tail{args.evidence_tail}" if args.evidence_tail else "")
         ),
         phases=(phase,),
         lr=lr,
@@ -102,6 +104,9 @@ def main() -> None:
     )
     p.add_argument(
         "--evidence-rows", default="lookup", help="row kinds whose questions it reads (Phase.evidence_rows)"
+    )
+    p.add_argument(
+        "--evidence-tail", type=int, default=0, help="records by their last N bytes (Phase.evidence_tail)"
     )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)

@@ -17,7 +17,9 @@ from the same attention; see :mod:`replaykv.train.distill`).
 The contrastive form (`contrast`, `Phase.evidence_contrast`) takes the softmax over the entries
 covering the row's records only (`Evidence.records`): a layer earns nothing by reading every
 record alike, only by reading the asked record more than its rivals, which is the match by code
-itself. A question with no rival record visible yet is left out.
+itself. A question with no rival record visible yet is left out. With `tail` n > 0
+(`Phase.evidence_tail`) each record counts only by its last n bytes, a record `A -> B`'s answer
+B: the entries a lookup has to read, whose keys must hold the A before them.
 
 Not for: the indexer's own loss (:mod:`replaykv.train.distill`), the language-model losses.
 """
@@ -47,6 +49,7 @@ class EvidenceAttention:
         self._rows: tuple[tuple[Evidence, ...], ...] = ()
         self._length = 0
         self._contrast = False
+        self._tail = 0
         self._losses: list[torch.Tensor] = []
         self._seen: set[int] = set()  # layers recorded since `arm`: a later path's pass adds none
         self._handles = [
@@ -55,8 +58,10 @@ class EvidenceAttention:
             if getattr(getattr(layer, "self_attn", None), "ratio", 0)  # None: another stage's
         ]
 
-    def arm(self, rows: tuple[tuple[Evidence, ...], ...], length: int, contrast: bool = False) -> None:
-        self._rows, self._length, self._contrast = rows, length, contrast
+    def arm(
+        self, rows: tuple[tuple[Evidence, ...], ...], length: int, contrast: bool = False, tail: int = 0
+    ) -> None:
+        self._rows, self._length, self._contrast, self._tail = rows, length, contrast, tail
         self._losses.clear()
         self._seen.clear()
 
@@ -83,7 +88,7 @@ class EvidenceAttention:
         ):
             return
         self._seen.add(attn.layer)
-        loss = evidence_loss(attn, x, step, cache.entries, self._rows, self._contrast)
+        loss = evidence_loss(attn, x, step, cache.entries, self._rows, self._contrast, self._tail)
         if loss is not None:
             self._losses.append(loss)
 
@@ -95,9 +100,11 @@ def evidence_loss(
     entries: torch.Tensor,
     rows: tuple[tuple[Evidence, ...], ...],
     contrast: bool = False,
+    tail: int = 0,
 ) -> torch.Tensor | None:
     """Mean over questions of -log(mean over heads of the query's mass on its record's entries),
-    the softmax over every visible entry or, with `contrast`, over those covering a record.
+    the softmax over every visible entry or, with `contrast`, over those covering a record;
+    with `tail` > 0 a record is its last `tail` bytes.
 
     x [B, S, hidden]: the block's (normed) input over positions [0, S); entries [B, N, D]: the
     layer's compressed entries (written by this forward, gradients flowing to their source)."""
@@ -109,6 +116,8 @@ def evidence_loss(
     query = torch.tensor([e.query for _, e in found], device=x.device)
     lo = torch.tensor([e.lo for _, e in found], device=x.device)
     hi = torch.tensor([e.hi for _, e in found], device=x.device)
+    if tail:
+        lo = torch.maximum(lo, hi - tail)
     visible = causal_entry_limit(query, r)  # [Q]
     n = int(visible.max())
     if n == 0:
@@ -123,7 +132,7 @@ def evidence_loss(
     covers = (ids * r + r > lo[:, None]) & (ids * r < hi[:, None]) & pool  # [Q, N]
     keep = covers.any(dim=1)  # a record not yet compressed at its query has nothing to find
     if contrast:
-        pool = pool & _covering([e.records for _, e in found], ids, r)
+        pool = pool & _covering([e.records for _, e in found], ids, r, tail)
         keep &= (pool & ~covers).any(dim=1)  # a rival to tell it from
     logits = logits.masked_fill(~pool[:, None], float("-inf"))
     if not bool(keep.any()):
@@ -133,10 +142,14 @@ def evidence_loss(
     return -torch.log(mass + _FLOOR).mean()
 
 
-def _covering(records: list[tuple[tuple[int, int], ...]], ids: torch.Tensor, r: int) -> torch.Tensor:
-    """[Q, N] bool: entry `ids[n]` overlaps one of question q's records [lo, hi)."""
+def _covering(
+    records: list[tuple[tuple[int, int], ...]], ids: torch.Tensor, r: int, tail: int = 0
+) -> torch.Tensor:
+    """[Q, N] bool: entry `ids[n]` overlaps one of question q's records [lo, hi) (their last
+    `tail` bytes when `tail` > 0)."""
     out = torch.zeros(len(records), len(ids), dtype=torch.bool, device=ids.device)
     for q, spans in enumerate(records):
         for lo, hi in spans:
+            lo = max(lo, hi - tail) if tail else lo
             out[q] |= (ids * r + r > lo) & (ids * r < hi)
     return out

@@ -109,7 +109,8 @@ class Phase:
     against the row's other records instead of against every entry; `evidence_rows`: the row
     kinds whose questions it reads (`lookup`: a lookup row's one-link questions; `multihop`: a
     multi-hop task row's question, its evidence the record of the last link, every record of
-    the prompt its rivals)."""
+    the prompt its rivals); `evidence_tail`: 0, each record counts whole; n > 0, by its last n
+    bytes only (4: a record `A -> B`'s answer code B)."""
 
     name: str
     steps: int
@@ -126,6 +127,7 @@ class Phase:
     evidence_loss: float = 0.0
     evidence_contrast: bool = False
     evidence_rows: tuple[str, ...] = ("lookup",)
+    evidence_tail: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -144,6 +146,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
         if not set(self.evidence_rows) <= {"lookup", "multihop"}:
             raise ValueError(f"phase {self.name}: evidence_rows are lookup and/or multihop rows")
+        if self.evidence_tail < 0:
+            raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,

@@ -47,12 +47,14 @@ def _rows(corpus, n: int = 2) -> tuple[torch.Tensor, tuple[tuple[Evidence, ...],
     return torch.stack(ids), tuple(evidence)
 
 
-def _reference(captured, rows, contrast: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _reference(captured, rows, contrast: bool = False, tail: int = 0) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """From the queries and entries the attention itself received: per layer and question, the
     mean over heads of the softmax mass on the record's entries among the visible ones (with
-    `contrast`, among the visible ones that cover one of the row's records)."""
+    `contrast`, among the visible ones that cover one of the row's records; with `tail`, a
+    record is its last `tail` bytes)."""
 
     def overlaps(i: int, ratio: int, lo: int, hi: int) -> bool:
+        lo = max(lo, hi - tail) if tail else lo
         return i * ratio + ratio > lo and i * ratio < hi
 
     losses = []
@@ -79,8 +81,10 @@ def _reference(captured, rows, contrast: bool = False) -> torch.Tensor:  # type:
     return torch.tensor(np.mean(losses))
 
 
-@pytest.mark.parametrize("contrast", [False, True], ids=["entries", "records"])
-def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("contrast", "tail"), [(False, 0), (True, 0), (True, 4)], ids=["entries", "records", "answers"]
+)
+def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast, tail) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     spec = ModelSpec.from_config(model.config)
     ids, rows = _rows(corpus)
@@ -94,13 +98,13 @@ def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, co
 
     monkeypatch.setattr(attention_v41, "joint_attention", capture)
     hooks = EvidenceAttention(model)
-    hooks.arm(rows, LENGTH, contrast)
+    hooks.arm(rows, LENGTH, contrast, tail)
     path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
     got = hooks.pop()
     hooks.remove()
     layers_with_entries = sum(1 for r in model.config.compress_ratios if r)
     assert got is not None and len(captured) == layers_with_entries
-    assert float(got.detach()) == pytest.approx(float(_reference(captured, rows, contrast)), rel=1e-5)
+    assert float(got.detach()) == pytest.approx(float(_reference(captured, rows, contrast, tail)), rel=1e-5)
     assert hooks.pop() is None  # popped and disarmed
 
 
