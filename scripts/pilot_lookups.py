@@ -10,7 +10,8 @@ and keeps its rate (no decay), trains `--steps` steps of `--batch` × `--seq-len
 mixture given by `--mixture` (the recipe's row kinds and weights), with the `small` recipe's
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
 replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive form,
-`--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it counts),
+`--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it
+counts, `--evidence-layers` the layers it teaches),
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.
@@ -57,6 +58,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         evidence_contrast=args.evidence_contrast,
         evidence_rows=tuple(args.evidence_rows.split(",")),
         evidence_tail=args.evidence_tail,
+        evidence_layers=tuple(int(x) for x in args.evidence_layers.split(",") if x),
     )
     return replace(
         base,
@@ -107,6 +109,11 @@ def main() -> None:
     )
     p.add_argument(
         "--evidence-tail", type=int, default=0, help="records by their last N bytes (Phase.evidence_tail)"
+    )
+    p.add_argument(
+        "--evidence-layers",
+        default="",
+        help="comma-separated layers it teaches (Phase.evidence_layers; empty: every layer with entries)",
     )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)

@@ -19,7 +19,10 @@ covering the row's records only (`Evidence.records`): a layer earns nothing by r
 record alike, only by reading the asked record more than its rivals, which is the match by code
 itself. A question with no rival record visible yet is left out. With `tail` n > 0
 (`Phase.evidence_tail`) each record counts only by its last n bytes, a record `A -> B`'s answer
-B: the entries a lookup has to read, whose keys must hold the A before them.
+B: the entries a lookup has to read, whose keys must hold the A before them. `layers`
+(`Phase.evidence_layers`) limits the loss to the named layers (empty: every layer with
+compressed entries), e.g. the decoder's, whose entries are one per token and drawn from the
+encoder's last hidden states.
 
 Not for: the indexer's own loss (:mod:`replaykv.train.distill`), the language-model losses.
 """
@@ -42,26 +45,40 @@ class EvidenceAttention:
     the questions of the next forward (per row of the micro-batch, the `Evidence` of its
     questions) and the length of the rows; a forward over exactly those rows from position 0
     with autograd on records each layer's loss; `pop()` returns the mean over the recorded
-    layers and questions (None when nothing was recorded) and disarms. `remove()` drops the
-    hooks."""
+    layers and questions (None when nothing was recorded) and disarms; with `layers` given to
+    `arm`, only those layers record. `remove()` drops the hooks."""
 
     def __init__(self, model: Any) -> None:
         self._rows: tuple[tuple[Evidence, ...], ...] = ()
         self._length = 0
         self._contrast = False
         self._tail = 0
+        self._layers: tuple[int, ...] = ()
         self._losses: list[torch.Tensor] = []
         self._seen: set[int] = set()  # layers recorded since `arm`: a later path's pass adds none
-        self._handles = [
-            layer.self_attn.register_forward_hook(self._hook)
-            for layer in model.model.layers
+        hooked = [
+            (i, layer.self_attn)
+            for i, layer in enumerate(model.model.layers)
             if getattr(getattr(layer, "self_attn", None), "ratio", 0)  # None: another stage's
         ]
+        self.layer_ids = tuple(i for i, _ in hooked)
+        self._handles = [attn.register_forward_hook(self._hook) for _, attn in hooked]
 
     def arm(
-        self, rows: tuple[tuple[Evidence, ...], ...], length: int, contrast: bool = False, tail: int = 0
+        self,
+        rows: tuple[tuple[Evidence, ...], ...],
+        length: int,
+        contrast: bool = False,
+        tail: int = 0,
+        layers: tuple[int, ...] = (),
     ) -> None:
+        if not set(layers) <= set(self.layer_ids):
+            absent = sorted(set(layers) - set(self.layer_ids))
+            raise ValueError(
+                f"evidence layers {absent} read no compressed entries (those are {self.layer_ids})"
+            )
         self._rows, self._length, self._contrast, self._tail = rows, length, contrast, tail
+        self._layers = layers
         self._losses.clear()
         self._seen.clear()
 
@@ -85,6 +102,7 @@ class EvidenceAttention:
             or any(step.start_host)
             or step.context is not None
             or attn.layer in self._seen
+            or (self._layers and attn.layer not in self._layers)
         ):
             return
         self._seen.add(attn.layer)

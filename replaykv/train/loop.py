@@ -306,7 +306,13 @@ def accumulate_gradients(
     for i0 in range(0, size, micro):
         rows = slice(i0, min(size, i0 + micro))
         if evidence is not None and phase.evidence_loss > 0:
-            evidence.arm(batch.evidence[rows], ids.shape[1], phase.evidence_contrast, phase.evidence_tail)
+            evidence.arm(
+                batch.evidence[rows],
+                ids.shape[1],
+                phase.evidence_contrast,
+                phase.evidence_tail,
+                phase.evidence_layers,
+            )
         parts = path_losses(
             model,
             spec,

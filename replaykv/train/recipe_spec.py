@@ -110,7 +110,8 @@ class Phase:
     kinds whose questions it reads (`lookup`: a lookup row's one-link questions; `multihop`: a
     multi-hop task row's question, its evidence the record of the last link, every record of
     the prompt its rivals); `evidence_tail`: 0, each record counts whole; n > 0, by its last n
-    bytes only (4: a record `A -> B`'s answer code B)."""
+    bytes only (4: a record `A -> B`'s answer code B); `evidence_layers`: the layers it teaches
+    (empty: every layer that reads compressed entries)."""
 
     name: str
     steps: int
@@ -128,6 +129,7 @@ class Phase:
     evidence_contrast: bool = False
     evidence_rows: tuple[str, ...] = ("lookup",)
     evidence_tail: int = 0
+    evidence_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -148,6 +150,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: evidence_rows are lookup and/or multihop rows")
         if self.evidence_tail < 0:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
+        if any(i < 0 for i in self.evidence_layers):
+            raise ValueError(f"phase {self.name}: evidence_layers are layer indices")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,

@@ -82,9 +82,11 @@ def _reference(captured, rows, contrast: bool = False, tail: int = 0) -> torch.T
 
 
 @pytest.mark.parametrize(
-    ("contrast", "tail"), [(False, 0), (True, 0), (True, 4)], ids=["entries", "records", "answers"]
+    ("contrast", "tail", "layers"),
+    [(False, 0, ()), (True, 0, ()), (True, 4, ()), (True, 4, (6, 7, 9))],
+    ids=["entries", "records", "answers", "answers-in-decoder-layers"],
 )
-def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast, tail) -> None:  # type: ignore[no-untyped-def]
+def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast, tail, layers) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     spec = ModelSpec.from_config(model.config)
     ids, rows = _rows(corpus)
@@ -98,14 +100,26 @@ def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, co
 
     monkeypatch.setattr(attention_v41, "joint_attention", capture)
     hooks = EvidenceAttention(model)
-    hooks.arm(rows, LENGTH, contrast, tail)
+    with_entries = [i for i, r in enumerate(model.config.compress_ratios) if r]
+    assert hooks.layer_ids == tuple(with_entries)
+    hooks.arm(rows, LENGTH, contrast, tail, layers)
     path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
     got = hooks.pop()
     hooks.remove()
-    layers_with_entries = sum(1 for r in model.config.compress_ratios if r)
-    assert got is not None and len(captured) == layers_with_entries
-    assert float(got.detach()) == pytest.approx(float(_reference(captured, rows, contrast, tail)), rel=1e-5)
+    assert got is not None and len(captured) == len(with_entries)  # captured in layer order
+    taught = [c for i, c in zip(with_entries, captured, strict=True) if not layers or i in layers]
+    assert len(taught) == (len(layers) or len(with_entries))
+    assert float(got.detach()) == pytest.approx(float(_reference(taught, rows, contrast, tail)), rel=1e-5)
     assert hooks.pop() is None  # popped and disarmed
+
+
+def test_naming_a_layer_without_entries_is_an_error() -> None:
+    hooks = EvidenceAttention(_model())
+    with pytest.raises(ValueError, match=r"evidence layers \[0, 1\] read no compressed entries"):
+        hooks.arm((), LENGTH, layers=(0, 1, 2))
+    hooks.remove()
+    with pytest.raises(ValueError, match="evidence_layers are layer indices"):
+        Phase("base", 4, LENGTH, 2, Mixture(lookup=1.0), evidence_loss=1.0, evidence_layers=(-1,))
 
 
 def test_the_loss_trains_queries_and_the_compressor_and_falls(corpus) -> None:  # type: ignore[no-untyped-def]
