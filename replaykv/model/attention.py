@@ -131,7 +131,9 @@ class Indexer(nn.Module):
         """sum_h w_h · relu(q_h · k): q [B, Q, H, Di], w [B, Q, H], keys [B, N, Di] -> [B, Q, N]."""
         b, nq, h, _ = q.shape
         dots = F.relu_(index_dots(q, keys)).view(b, nq, h, keys.shape[1])
-        return torch.matmul(w[:, :, None, :], dots).squeeze(-2)
+        # a product and a sum over heads, not a [1, H] @ [H, N] product per query, whose rounding
+        # depends on N on some CPUs (AVX512): an entry's score stays the same in any slice
+        return dots.mul_(w[..., None]).sum(dim=2)
 
     def select(
         self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, step: Step, rope_kind: str
