@@ -142,22 +142,23 @@ def evidence_loss(
         return None
     tables = (t[batch, query] for t in step.rope.heads(attn.rope_kind))
     q = attn.queries(x[batch, query], *tables)[1].float()  # [Q, H, D]
-    keys = entries[batch, :n].float()  # [Q, N, D]
-    logits = torch.einsum("qhd,qnd->qhn", q, keys) * attn.head_dim**-0.5
-    ids = torch.arange(n, device=x.device)
-    pool = ids < visible[:, None]  # [Q, N]
-    # an entry covers positions [id·r, id·r + r): the record's entries are those it overlaps
-    covers = (ids * r + r > lo[:, None]) & (ids * r < hi[:, None]) & pool  # [Q, N]
-    keep = covers.any(dim=1)  # a record not yet compressed at its query has nothing to find
-    if contrast:
-        pool = pool & _covering([e.records for _, e in found], ids, r, tail)
-        keep &= (pool & ~covers).any(dim=1)  # a rival to tell it from
-    logits = logits.masked_fill(~pool[:, None], float("-inf"))
-    if not bool(keep.any()):
-        return None
-    probs = torch.softmax(logits[keep], dim=-1)  # [Q', H, N]
-    mass = (probs * covers[keep][:, None].to(probs.dtype)).sum(-1).mean(-1)  # [Q']
-    return -torch.log(mass + _FLOOR).mean()
+    with torch.autocast(x.device.type, enabled=False):  # a loss: float32 under bf16 products too
+        keys = entries[batch, :n].float()  # [Q, N, D]
+        logits = torch.einsum("qhd,qnd->qhn", q, keys) * attn.head_dim**-0.5
+        ids = torch.arange(n, device=x.device)
+        pool = ids < visible[:, None]  # [Q, N]
+        # an entry covers positions [id·r, id·r + r): the record's entries are those it overlaps
+        covers = (ids * r + r > lo[:, None]) & (ids * r < hi[:, None]) & pool  # [Q, N]
+        keep = covers.any(dim=1)  # a record not yet compressed at its query has nothing to find
+        if contrast:
+            pool = pool & _covering([e.records for _, e in found], ids, r, tail)
+            keep &= (pool & ~covers).any(dim=1)  # a rival to tell it from
+        logits = logits.masked_fill(~pool[:, None], float("-inf"))
+        if not bool(keep.any()):
+            return None
+        probs = torch.softmax(logits[keep], dim=-1)  # [Q', H, N]
+        mass = (probs * covers[keep][:, None].to(probs.dtype)).sum(-1).mean(-1)  # [Q']
+        return -torch.log(mass + _FLOOR).mean()
 
 
 def _covering(

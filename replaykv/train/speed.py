@@ -9,8 +9,9 @@ Neither changes what is trained, only float rounding and speed:
     precision  float32 every product in float32
                bf16    matrix products under torch.autocast(bfloat16); master weights, AdamW
                        moments, gradients, the mHC mixes and residual streams, norms, the
-                       router's logits and the loss stay float32 (autocast's cast cache keeps
-                       one bf16 copy of each weight per optimiser step)
+                       router's logits and the losses (the evidence-attention loss's logits
+                       and softmax too) stay float32 (autocast's cast cache keeps one bf16
+                       copy of each weight per optimiser step)
                auto    bf16 where this device multiplies bf16 at least twice as fast as float32
                        (CUDA with bf16; CPUs with AVX512-BF16 or AMX), float32 elsewhere (an
                        AVX2-only CPU multiplies bf16 about a hundred times slower)

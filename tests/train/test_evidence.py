@@ -82,11 +82,19 @@ def _reference(captured, rows, contrast: bool = False, tail: int = 0) -> torch.T
 
 
 @pytest.mark.parametrize(
-    ("contrast", "tail", "layers"),
-    [(False, 0, ()), (True, 0, ()), (True, 4, ()), (True, 4, (6, 7, 9))],
-    ids=["entries", "records", "answers", "answers-in-decoder-layers"],
+    ("contrast", "tail", "layers", "bf16"),
+    [
+        (False, 0, (), False),
+        (True, 0, (), False),
+        (True, 4, (), False),
+        (True, 4, (6, 7, 9), False),
+        (True, 4, (), True),
+    ],
+    ids=["entries", "records", "answers", "answers-in-decoder-layers", "answers-under-bf16-products"],
 )
-def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast, tail, layers) -> None:  # type: ignore[no-untyped-def]
+def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast, tail, layers, bf16) -> None:  # type: ignore[no-untyped-def]
+    """Under bf16 products (`--precision bf16`) the queries and entries are the bf16 model's;
+    the softmax and the mass over them stay float32, as the reference computes them."""
     model = _model()
     spec = ModelSpec.from_config(model.config)
     ids, rows = _rows(corpus)
@@ -103,7 +111,8 @@ def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, co
     with_entries = [i for i, r in enumerate(model.config.compress_ratios) if r]
     assert hooks.layer_ids == tuple(with_entries)
     hooks.arm(rows, LENGTH, contrast, tail, layers)
-    path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
     got = hooks.pop()
     hooks.remove()
     assert got is not None and len(captured) == len(with_entries)  # captured in layer order
