@@ -101,6 +101,15 @@ def index_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return row_stable_bmm(q.reshape(b, nq * h, di), keys.transpose(1, 2))[..., :n]
 
 
+def head_sum(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_h w_h · dots_h: dots [B, Q, H, N], w [B, Q, H] -> [B, Q, N]. A product and a sum over
+    heads, not a [1, H] @ [H, N] product per query, whose rounding depends on N on some CPUs
+    (AVX512): an entry's score stays the same in any slice. In place into `dots` unless
+    autograd differentiates through it (training)."""
+    grad = dots.requires_grad or w.requires_grad
+    return (dots * w[..., None] if grad else dots.mul_(w[..., None])).sum(dim=2)
+
+
 class IndexScorer(nn.Module):
     """Holds the per-head weight projection of the indexer (`scorer.weights_proj`)."""
 
@@ -131,9 +140,7 @@ class Indexer(nn.Module):
         """sum_h w_h · relu(q_h · k): q [B, Q, H, Di], w [B, Q, H], keys [B, N, Di] -> [B, Q, N]."""
         b, nq, h, _ = q.shape
         dots = F.relu_(index_dots(q, keys)).view(b, nq, h, keys.shape[1])
-        # a product and a sum over heads, not a [1, H] @ [H, N] product per query, whose rounding
-        # depends on N on some CPUs (AVX512): an entry's score stays the same in any slice
-        return dots.mul_(w[..., None]).sum(dim=2)
+        return head_sum(dots, w)
 
     def select(
         self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, step: Step, rope_kind: str

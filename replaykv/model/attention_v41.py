@@ -19,6 +19,7 @@ from torch import nn
 from replaykv.model.attention import (
     _BLOCK_BUDGET,
     grouped_projection,
+    head_sum,
     index_dots,
     joint_attention,
     sliced_scores,
@@ -77,7 +78,7 @@ class IndexerV41(nn.Module):
         """sum_h w_h · relu(q_h · k) / sqrt(Di): q [B, Q, H, Di], w [B, Q, H], keys [B, N, Di] -> [B, Q, N]."""
         b, nq, h, _ = q.shape
         dots = F.relu_(index_dots(q, keys)).mul_(self.head_dim**-0.5)
-        return (dots.view(b, nq, h, keys.shape[1]) * w[..., None]).sum(dim=2)
+        return head_sum(dots.view(b, nq, h, keys.shape[1]), w)
 
     def select(
         self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, step: Step, selection: Selection
