@@ -11,7 +11,7 @@ mixture given by `--mixture` (the recipe's row kinds and weights), with the `sma
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
 replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive form,
 `--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it
-counts, `--evidence-layers` the layers it teaches),
+counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget),
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.
@@ -59,6 +59,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         evidence_rows=tuple(args.evidence_rows.split(",")),
         evidence_tail=args.evidence_tail,
         evidence_layers=tuple(int(x) for x in args.evidence_layers.split(",") if x),
+        evidence_clip=args.evidence_clip,
     )
     return replace(
         base,
@@ -67,6 +68,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
             + ("-contrast" if args.evidence_contrast else "")
             + ("" if args.evidence_rows == "lookup" else f"-{args.evidence_rows.replace(',', '+')}")
             + (f"-tail{args.evidence_tail}" if args.evidence_tail else "")
+            + (f"-clip{args.evidence_clip:g}" if args.evidence_clip else "")
         ),
         phases=(phase,),
         lr=lr,
@@ -114,6 +116,12 @@ def main() -> None:
         "--evidence-layers",
         default="",
         help="comma-separated layers it teaches (Phase.evidence_layers; empty: every layer with entries)",
+    )
+    p.add_argument(
+        "--evidence-clip",
+        type=float,
+        default=0.0,
+        help="its own gradient norm budget (Phase.evidence_clip; 0: under the recipe's one clip)",
     )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)

@@ -44,13 +44,11 @@ from tqdm import tqdm
 
 from replaykv.model.checkpoint import has_weights, load_model
 from replaykv.model.spec import ModelSpec
-from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.train.data import Batch, Corpus, MixtureSampler, load_corpus
+from replaykv.train.data import Corpus, MixtureSampler, load_corpus
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.evidence import EvidenceAttention
-from replaykv.train.paths import path_losses
-from replaykv.train.recipes import Phase, Recipe
+from replaykv.train.recipes import Recipe
 from replaykv.train.setup import (
     RouterBalance,
     fresh_model,
@@ -80,6 +78,7 @@ from replaykv.train.state import (
     save_state,
     set_rng_state,
 )
+from replaykv.train.step import accumulate_gradients
 
 
 @dataclass
@@ -202,7 +201,8 @@ def train(
                 parts = accumulate_gradients(
                     model, spec, batch, phase, recipe, distill, dev, micro_batch, evidence
                 )
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
+            clip = recipe.grad_clip + (phase.evidence_clip if phase.evidence_loss > 0 else 0.0)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
             opt.step()
             balance.update()
             step += 1
@@ -275,75 +275,6 @@ def train(
         export(model, out, recipe, corpus, training, init, shard_bytes)
         exported = True
     return TrainResult(step, tokens, seconds, losses, out, exported)
-
-
-def accumulate_gradients(
-    model: DeepseekV41ForCausalLM,
-    spec: ModelSpec,
-    batch: Batch,
-    phase: Phase,
-    recipe: Recipe,
-    distill: IndexerDistillation,
-    device: torch.device,
-    micro_batch: int | None = None,
-    evidence: EvidenceAttention | None = None,
-) -> dict[str, float]:
-    """Forward and backward of one batch in micro-batches; returns the logged loss parts.
-
-    Each micro-batch's path losses are weighted by its share of the batch's loss targets, so the
-    accumulated gradient is that of the whole batch's mean losses (up to summation order). With
-    `evidence` (installed when a phase has `evidence_loss` > 0) and `phase.evidence_loss` > 0,
-    the full path's evidence-attention loss of each micro-batch's questions is added at that
-    weight, averaged over micro-batches.
-    """
-    size = phase.batch
-    micro = max(1, min(size, micro_batch or phase.micro_batch or size))
-    ids, targets = batch.ids.to(device), batch.targets.to(device)
-    p = batch.prompt_len
-    counts = {"full": targets[:, 1:].sum(), "follow": targets[:, p:].sum()}
-    logged: dict[str, float] = {}
-    n_micro = -(-size // micro)
-    for i0 in range(0, size, micro):
-        rows = slice(i0, min(size, i0 + micro))
-        if evidence is not None and phase.evidence_loss > 0:
-            evidence.arm(
-                batch.evidence[rows],
-                ids.shape[1],
-                phase.evidence_contrast,
-                phase.evidence_tail,
-                phase.evidence_layers,
-            )
-        parts = path_losses(
-            model,
-            spec,
-            ids[rows],
-            targets[rows],
-            p,
-            batch.cut,
-            full=phase.paths.full > 0,
-            follow_up=phase.paths.decoder_replay > 0,
-        )
-        total = torch.zeros((), device=device)
-        for name, value in parts.items():
-            share = (
-                targets[rows, 1:].sum() / counts["full"]
-                if name == "full"
-                else targets[rows, p:].sum() / counts["follow"]
-            )
-            weight = phase.paths.full if name == "full" else phase.paths.decoder_replay
-            total = total + weight * share * value
-            logged[name] = logged.get(name, 0.0) + float(share * value.detach())
-        logged["loss"] = logged.get("loss", 0.0) + float(total.detach())
-        kl = distill.pop()
-        if kl is not None:
-            total = total + recipe.indexer_loss * kl / n_micro
-            logged["indexer_kl"] = logged.get("indexer_kl", 0.0) + float(kl.detach()) / n_micro
-        found = evidence.pop() if evidence is not None else None
-        if found is not None:
-            total = total + phase.evidence_loss * found / n_micro
-            logged["evidence"] = logged.get("evidence", 0.0) + float(found.detach()) / n_micro
-        total.backward()
-    return logged
 
 
 def _summary(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -111,7 +111,9 @@ class Phase:
     multi-hop task row's question, its evidence the record of the last link, every record of
     the prompt its rivals); `evidence_tail`: 0, each record counts whole; n > 0, by its last n
     bytes only (4: a record `A -> B`'s answer code B); `evidence_layers`: the layers it teaches
-    (empty: every layer that reads compressed entries)."""
+    (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
+    rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
+    rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`)."""
 
     name: str
     steps: int
@@ -130,6 +132,7 @@ class Phase:
     evidence_rows: tuple[str, ...] = ("lookup",)
     evidence_tail: int = 0
     evidence_layers: tuple[int, ...] = ()
+    evidence_clip: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -152,6 +155,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
         if any(i < 0 for i in self.evidence_layers):
             raise ValueError(f"phase {self.name}: evidence_layers are layer indices")
+        if not self.evidence_clip >= 0:
+            raise ValueError(f"phase {self.name}: evidence_clip must not be negative")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,

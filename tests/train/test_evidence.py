@@ -92,7 +92,9 @@ def _reference(captured, rows, contrast: bool = False, tail: int = 0) -> torch.T
     ],
     ids=["entries", "records", "answers", "answers-in-decoder-layers", "answers-under-bf16-products"],
 )
-def test_the_loss_reads_the_attention_the_layers_compute(corpus, monkeypatch, contrast, tail, layers, bf16) -> None:  # type: ignore[no-untyped-def]
+def test_the_loss_reads_the_attention_the_layers_compute(
+    corpus, monkeypatch, contrast, tail, layers, bf16
+) -> None:  # type: ignore[no-untyped-def]
     """Under bf16 products (`--precision bf16`) the queries and entries are the bf16 model's;
     the softmax and the mass over them stay float32, as the reference computes them."""
     model = _model()
@@ -180,6 +182,50 @@ def test_a_recipe_without_it_is_unchanged_and_with_it_adds_only_its_term(corpus)
     assert logged[0.5]["full"] == logged[0.0]["full"]  # the language-model loss is the same forward
     assert logged[0.5]["loss"] == logged[0.0]["loss"]
     assert not torch.equal(grads[0.5], grads[0.0])
+
+
+def test_its_own_budget_clips_it_apart_from_the_rest(corpus) -> None:  # type: ignore[no-untyped-def]
+    """`Phase.evidence_clip`: the gradient equals the rest's gradient clipped to the recipe's norm
+    plus the evidence term's clipped to its own, each computed here from separate runs (the
+    evidence term's as the difference of a run with it and one without)."""
+    ids, rows = _rows(corpus, n=2)
+    batch = Batch(
+        ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0, ("lookup",) * 2, (None,) * 2, rows
+    )
+
+    def grads(weight: float, clip: float, recipe_clip: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+        model = _model()
+        recipe = dataclasses.replace(tiny(), grad_clip=recipe_clip)
+        hooks = EvidenceAttention(model) if weight else None
+        phase = Phase("base", 4, LENGTH, 2, Mixture(lookup=1.0), evidence_loss=weight, evidence_clip=clip)
+        distill = IndexerDistillation(model, 0)
+        spec = ModelSpec.from_config(model.config)
+        logged = accumulate_gradients(
+            model, spec, batch, phase, recipe, distill, torch.device("cpu"), 1, hooks
+        )
+        zero = [torch.zeros_like(q) for q in model.parameters()]
+        return [
+            q.grad.detach().clone() if q.grad is not None else z
+            for q, z in zip(model.parameters(), zero, strict=True)
+        ], logged
+
+    rest, _ = grads(0.0, 0.0, 1.0)
+    both, _ = grads(2.0, 0.0, 1.0)
+    ev = [b - r for b, r in zip(both, rest, strict=True)]
+    norm_rest = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in rest])))
+    norm_ev = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ev])))
+    clip_rest, clip_ev = norm_rest / 4, norm_ev / 3  # both budgets bind
+    got, logged = grads(2.0, clip_ev, clip_rest)
+    assert logged["grad_norm_rest"] == pytest.approx(norm_rest, rel=1e-4)
+    assert logged["grad_norm_evidence"] == pytest.approx(norm_ev, rel=1e-3)
+    want = [r * (clip_rest / norm_rest) + e * (clip_ev / norm_ev) for r, e in zip(rest, ev, strict=True)]
+    err = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    scale = max(float(w.abs().max()) for w in want)
+    assert err <= 1e-4 * scale, (err, scale)
+    # one clip over the sum would have given another gradient
+    total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in both])))
+    shared = [b * (clip_rest / total) for b in both]
+    assert max(float((g - w).abs().max()) for g, w in zip(got, shared, strict=True)) > 100 * err
 
 
 def test_pipeline_training_refuses_it() -> None:
