@@ -123,6 +123,7 @@ def main() -> None:
         default=0.0,
         help="its own gradient norm budget (Phase.evidence_clip; 0: under the recipe's one clip)",
     )
+    p.add_argument("--precision", default="auto", help="the training products' precision (auto, float32, bf16)")
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
@@ -160,7 +161,7 @@ def main() -> None:
             init=args.stage,
             evaluate_at_end=False,
             progress=False,
-            precision="auto",
+            precision=args.precision,
         )
         last20 = sum(r.losses[-20:]) / len(r.losses[-20:])
         print(

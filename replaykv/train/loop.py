@@ -31,6 +31,7 @@ saved state (:mod:`replaykv.train.state`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch._functorch.config
 from torch import nn
 from tqdm import tqdm
 
@@ -132,6 +134,13 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
     settings = StepSettings.resolve(kernels, precision, dev)
+    budgets = any(ph.evidence_loss > 0 and ph.evidence_clip > 0 for ph in recipe.phases)
+    if budgets and settings.kernels == "fused" and settings.precision != "float32":
+        raise NotImplementedError(
+            "Phase.evidence_clip with the fused kernels under bf16 products: the compiled "
+            "attention block's backward gives NaN when run a second time over its graph; "
+            "use --precision float32 or --kernels eager"
+        )
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     continuing = resume and state_path.exists()
     cold = cold_start(recipe, out, from_stage) if resume and not continuing else None
@@ -179,6 +188,11 @@ def train(
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
     evidence = EvidenceAttention(model) if any(ph.evidence_loss > 0 for ph in recipe.phases) else None
+    held = contextlib.ExitStack()
+    if budgets:
+        # its own budget backpropagates twice through a graph, which compiled backwards that
+        # donate their buffers refuse (the fused kernels compile some functions)
+        held.enter_context(torch._functorch.config.patch(donated_buffer=False))
     balance = RouterBalance(model, recipe.router_bias_rate)
     end = recipe.total_steps if max_steps is None else min(max_steps, recipe.total_steps)
     if stages is not None:
@@ -250,6 +264,7 @@ def train(
                 bar.write(f"SIGTERM: state saved at step {step}; resume with --resume")
                 break
     finally:
+        held.close()
         stop.restore()
         bar.close()
         distill.remove()

@@ -21,7 +21,7 @@ from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.data import Batch, Evidence, MixtureSampler, lookup_row
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evidence import EvidenceAttention
-from replaykv.train.loop import accumulate_gradients
+from replaykv.train.loop import accumulate_gradients, train
 from replaykv.train.paths import path_losses
 from replaykv.train.pipeline.run import _check_recipe
 from replaykv.train.recipes import Mixture, Phase, tiny
@@ -226,6 +226,14 @@ def test_its_own_budget_clips_it_apart_from_the_rest(corpus) -> None:  # type: i
     total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in both])))
     shared = [b * (clip_rest / total) for b in both]
     assert max(float((g - w).abs().max()) for g, w in zip(got, shared, strict=True)) > 100 * err
+
+
+def test_its_own_budget_is_refused_by_name_with_fused_kernels_under_bf16(corpus, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    phase = dataclasses.replace(tiny().phases[0], evidence_loss=1.0, evidence_clip=1.0)
+    recipe = dataclasses.replace(tiny(), phases=(phase,))
+    with pytest.raises(NotImplementedError, match="evidence_clip with the fused kernels under bf16"):
+        train(recipe, tmp_path, corpus=corpus, progress=False, kernels="fused", precision="bf16")
+    assert not (tmp_path / "train_log.jsonl").exists()  # refused before the first step
 
 
 def test_pipeline_training_refuses_it() -> None:
