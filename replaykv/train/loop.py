@@ -25,8 +25,9 @@ or the one committed under replaykv/weights/) with fresh AdamW moments and `Reci
 steps of re-warm-up: the data and the schedule continue where the stage ended.
 
 Not for: the data (see :mod:`replaykv.train.data`), the forward paths (see
-:mod:`replaykv.train.paths`), the model and optimiser set-up (:mod:`replaykv.train.setup`) or the
-saved state (:mod:`replaykv.train.state`).
+:mod:`replaykv.train.paths`), a step's gradient and its budgets (:mod:`replaykv.train.step`),
+the model and optimiser set-up (:mod:`replaykv.train.setup`) or the saved state
+(:mod:`replaykv.train.state`).
 """
 
 from __future__ import annotations
