@@ -11,7 +11,9 @@ mixture given by `--mixture` (the recipe's row kinds and weights), with the `sma
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
 replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive form,
 `--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it
-counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget),
+counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
+`--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
+`--record-key-layers`),
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.
@@ -60,6 +62,8 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         evidence_tail=args.evidence_tail,
         evidence_layers=tuple(int(x) for x in args.evidence_layers.split(",") if x),
         evidence_clip=args.evidence_clip,
+        record_keys=args.record_keys,
+        record_key_layers=tuple(int(x) for x in args.record_key_layers.split(",") if x),
     )
     return replace(
         base,
@@ -69,6 +73,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
             + ("" if args.evidence_rows == "lookup" else f"-{args.evidence_rows.replace(',', '+')}")
             + (f"-tail{args.evidence_tail}" if args.evidence_tail else "")
             + (f"-clip{args.evidence_clip:g}" if args.evidence_clip else "")
+            + (f"-keys{args.record_keys:g}" if args.record_keys else "")
         ),
         phases=(phase,),
         lr=lr,
@@ -123,7 +128,15 @@ def main() -> None:
         default=0.0,
         help="its own gradient norm budget (Phase.evidence_clip; 0: under the recipe's one clip)",
     )
-    p.add_argument("--precision", default="auto", help="the training products' precision (auto, float32, bf16)")
+    p.add_argument("--record-keys", type=float, default=0.0, help="Phase.record_keys (0: off)")
+    p.add_argument(
+        "--record-key-layers",
+        default="",
+        help="KV sources it reads (Phase.record_key_layers; empty: every one)",
+    )
+    p.add_argument(
+        "--precision", default="auto", help="the training products' precision (auto, float32, bf16)"
+    )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")

@@ -51,6 +51,7 @@ from replaykv.train.data import Corpus, MixtureSampler, load_corpus
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.evidence import EvidenceAttention
+from replaykv.train.keys import RecordKeys
 from replaykv.train.recipes import Recipe
 from replaykv.train.setup import (
     RouterBalance,
@@ -144,6 +145,12 @@ def train(
         )
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     continuing = resume and state_path.exists()
+    reads_keys = any(ph.record_keys > 0 for ph in recipe.phases)
+    if reads_keys and continuing:
+        raise NotImplementedError(
+            f"resuming {state_path} of a recipe with the record-key loss (Phase.record_keys): its "
+            "read-out heads are not saved in the state; start the run again"
+        )
     cold = cold_start(recipe, out, from_stage) if resume and not continuing else None
     if resume and not continuing and cold is None:
         raise FileNotFoundError(
@@ -189,6 +196,15 @@ def train(
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
     evidence = EvidenceAttention(model) if any(ph.evidence_loss > 0 for ph in recipe.phases) else None
+    keys = None
+    if reads_keys:
+        layers = {ph.record_key_layers for ph in recipe.phases if ph.record_keys > 0}
+        if len(layers) > 1:
+            raise ValueError(f"recipe {recipe.name!r}: its phases read record keys of different layers")
+        torch.manual_seed(recipe.seed + step + 1)  # the heads' initial values
+        keys = RecordKeys(model, layers.pop()).to(dev)
+        opt.add_param_group({"params": list(keys.parameters()), "weight_decay": 0.0})
+        torch.manual_seed(recipe.seed + step)
     held = contextlib.ExitStack()
     if budgets:
         # its own budget backpropagates twice through a graph, which compiled backwards that
@@ -214,10 +230,11 @@ def train(
             opt.zero_grad(set_to_none=True)
             with settings.applied(dev):
                 parts = accumulate_gradients(
-                    model, spec, batch, phase, recipe, distill, dev, micro_batch, evidence
+                    model, spec, batch, phase, recipe, distill, dev, micro_batch, evidence, keys
                 )
             clip = recipe.grad_clip + (phase.evidence_clip if phase.evidence_loss > 0 else 0.0)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            params = [*model.parameters(), *(keys.parameters() if keys is not None else ())]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             opt.step()
             balance.update()
             step += 1
@@ -271,6 +288,8 @@ def train(
         distill.remove()
         if evidence is not None:
             evidence.remove()
+        if keys is not None:
+            keys.remove()
         balance.remove()
     exported = False
     if step >= recipe.total_steps and evaluate_at_end:

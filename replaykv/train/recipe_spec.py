@@ -113,7 +113,9 @@ class Phase:
     bytes only (4: a record `A -> B`'s answer code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
     rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
-    rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`)."""
+    rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`). `record_keys`: the weight
+    of the record-key loss on the same rows' records (0: off; see :mod:`replaykv.train.keys`);
+    `record_key_layers`: the KV sources it reads (empty: every one)."""
 
     name: str
     steps: int
@@ -133,6 +135,8 @@ class Phase:
     evidence_tail: int = 0
     evidence_layers: tuple[int, ...] = ()
     evidence_clip: float = 0.0
+    record_keys: float = 0.0
+    record_key_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -157,6 +161,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: evidence_layers are layer indices")
         if not self.evidence_clip >= 0:
             raise ValueError(f"phase {self.name}: evidence_clip must not be negative")
+        if not self.record_keys >= 0:
+            raise ValueError(f"phase {self.name}: record_keys must not be negative")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,

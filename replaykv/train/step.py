@@ -24,6 +24,7 @@ from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.data import Batch
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evidence import EvidenceAttention
+from replaykv.train.keys import RecordKeys
 from replaykv.train.paths import path_losses
 from replaykv.train.recipes import Phase, Recipe
 
@@ -38,6 +39,7 @@ def accumulate_gradients(
     device: torch.device,
     micro_batch: int | None = None,
     evidence: EvidenceAttention | None = None,
+    keys: RecordKeys | None = None,
 ) -> dict[str, float]:
     """Forward and backward of one batch in micro-batches; returns the logged loss parts.
 
@@ -49,7 +51,9 @@ def accumulate_gradients(
     leave here already clipped (the rest to `recipe.grad_clip`, the evidence part to
     `phase.evidence_clip`, then summed; their norms before clipping are logged as
     `grad_norm_rest` and `grad_norm_evidence`), so the loop's clip at `recipe.grad_clip +
-    phase.evidence_clip` leaves them as they are.
+    phase.evidence_clip` leaves them as they are. With `keys` and `phase.record_keys` > 0, the
+    record-key loss of each micro-batch's records (see :mod:`replaykv.train.keys`) joins the rest
+    at that weight, averaged over micro-batches.
     """
     size = phase.batch
     micro = max(1, min(size, micro_batch or phase.micro_batch or size))
@@ -71,6 +75,8 @@ def accumulate_gradients(
                 phase.evidence_tail,
                 phase.evidence_layers,
             )
+        if keys is not None and phase.record_keys > 0:
+            keys.arm(batch.evidence[rows], ids[rows])
         parts = path_losses(
             model,
             spec,
@@ -96,6 +102,10 @@ def accumulate_gradients(
         if kl is not None:
             total = total + recipe.indexer_loss * kl / n_micro
             logged["indexer_kl"] = logged.get("indexer_kl", 0.0) + float(kl.detach()) / n_micro
+        read = keys.pop() if keys is not None else None
+        if read is not None:
+            total = total + phase.record_keys * read / n_micro
+            logged["record_keys"] = logged.get("record_keys", 0.0) + float(read.detach()) / n_micro
         found = evidence.pop() if evidence is not None else None
         if found is not None:
             logged["evidence"] = logged.get("evidence", 0.0) + float(found.detach()) / n_micro

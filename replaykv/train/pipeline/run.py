@@ -190,6 +190,12 @@ def _check_recipe(recipe: Recipe, context: int = 1) -> None:
                 f"not implemented: phase {phase.name!r} of recipe {recipe.name!r} puts loss on them; "
                 "train it in one process"
             )
+        if phase.record_keys > 0:
+            raise NotImplementedError(
+                f"the record-key loss (Phase.record_keys) of phase {phase.name!r} of recipe "
+                f"{recipe.name!r} is not implemented under pipeline or context parallelism; train it "
+                "in one process"
+            )
         if phase.evidence_loss > 0:
             raise NotImplementedError(
                 f"the evidence-attention loss (Phase.evidence_loss) of phase {phase.name!r} of recipe "
