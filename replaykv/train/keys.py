@@ -11,7 +11,11 @@ from (docs/training.md). This loss builds the key side on its own: a linear read
 source layer predicts the four bytes of A from the entry covering B[0] (cross-entropy over the
 256 byte values, mean over records and bytes), so that the gradient flows through the entry into
 the source's compressor and the layers below it. The read-out heads are trained with the model
-(their own AdamW group) and are not part of it: an export holds the model alone.
+(their own AdamW group, at `LR_SCALE` times the schedule's rate) and are not part of it: an
+export holds the model alone. They start at zero: a random head would send the entries a
+gradient in random directions while it learns; a zero head first fits what the entries already
+hold (its gradient into them grows with it, along what it reads), and starts at the uniform
+prediction, ln 256 ≈ 5.55.
 
 Records are those of the rows' `Evidence` (`replaykv.train.data`: lookup rows, and multi-hop
 rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the forward's length
@@ -32,6 +36,7 @@ from torch import nn
 from replaykv.train.data import Evidence
 
 CODE_BYTES = 4  # a record's code A (`replaykv.train.data.lookup_row`)
+LR_SCALE = 10.0  # the heads' rate against the schedule's: fresh probes on a trained model
 ARROW = len(" -> ")
 
 
@@ -60,6 +65,9 @@ class RecordKeys(nn.Module):
         self.heads = nn.ModuleDict(
             {str(i): nn.Linear(int(attns[i].head_dim), CODE_BYTES * 256) for i in self.layer_ids}
         )
+        for head in self.heads.values():
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
         self._rows: tuple[tuple[Evidence, ...], ...] = ()
         self._ids: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []

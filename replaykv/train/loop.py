@@ -51,7 +51,7 @@ from replaykv.train.data import Corpus, MixtureSampler, load_corpus
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evaluate import evaluate, render_card
 from replaykv.train.evidence import EvidenceAttention
-from replaykv.train.keys import RecordKeys
+from replaykv.train.keys import LR_SCALE, RecordKeys
 from replaykv.train.recipes import Recipe
 from replaykv.train.setup import (
     RouterBalance,
@@ -201,10 +201,8 @@ def train(
         layers = {ph.record_key_layers for ph in recipe.phases if ph.record_keys > 0}
         if len(layers) > 1:
             raise ValueError(f"recipe {recipe.name!r}: its phases read record keys of different layers")
-        torch.manual_seed(recipe.seed + step + 1)  # the heads' initial values
         keys = RecordKeys(model, layers.pop()).to(dev)
-        opt.add_param_group({"params": list(keys.parameters()), "weight_decay": 0.0})
-        torch.manual_seed(recipe.seed + step)
+        opt.add_param_group({"params": list(keys.parameters()), "weight_decay": 0.0, "lr_scale": LR_SCALE})
     held = contextlib.ExitStack()
     if budgets:
         # its own budget backpropagates twice through a graph, which compiled backwards that
