@@ -40,7 +40,42 @@ from replaykv.train.data import Evidence
 _FLOOR = 1e-6  # mass floor inside the log: a record with no mass costs log(1e6) ≈ 14, not inf
 
 
-class EvidenceAttention:
+class LayerLosses:
+    """The bookkeeping of forward hooks that record one loss per attention layer over an armed
+    forward: the armed rows, the layers seen since `arm`, the losses, the hook handles."""
+
+    _rows: tuple[tuple[Evidence, ...], ...]
+    _losses: list[torch.Tensor]
+    _seen: set[int]
+    _handles: list[Any]
+
+    def _records(self, attn: Any, x: torch.Tensor, step: Step, length: int) -> bool:
+        """Whether this forward of `attn` records: autograd on, exactly the armed rows over
+        `length` positions from position 0 in one process (no context shard), and the layer's
+        first such pass since `arm` (a later path's pass adds none). Marks the layer seen."""
+        if (
+            not torch.is_grad_enabled()
+            or not any(self._rows)
+            or x.shape[0] != len(self._rows)
+            or x.shape[1] != length
+            or any(step.start_host)
+            or step.context is not None
+            or attn.layer in self._seen
+        ):
+            return False
+        self._seen.add(attn.layer)
+        return True
+
+    def _mean(self) -> torch.Tensor | None:
+        return torch.stack(self._losses).mean() if self._losses else None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class EvidenceAttention(LayerLosses):
     """Forward hooks on every attention block with compressed entries. `arm(rows, length)` sets
     the questions of the next forward (per row of the micro-batch, the `Evidence` of its
     questions) and the length of the rows; a forward over exactly those rows from position 0
@@ -83,29 +118,16 @@ class EvidenceAttention:
         self._seen.clear()
 
     def pop(self) -> torch.Tensor | None:
-        total = torch.stack(self._losses).mean() if self._losses else None
+        total = self._mean()
         self.arm((), 0)
         return total
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
     def _hook(self, attn: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
         x, step, cache = args[0], args[1], args[2]
-        if (
-            not torch.is_grad_enabled()
-            or not any(self._rows)
-            or x.shape[0] != len(self._rows)
-            or x.shape[1] != self._length
-            or any(step.start_host)
-            or step.context is not None
-            or attn.layer in self._seen
-            or (self._layers and attn.layer not in self._layers)
-        ):
+        if self._layers and attn.layer not in self._layers:
             return
-        self._seen.add(attn.layer)
+        if not self._records(attn, x, step, self._length):
+            return
         loss = evidence_loss(attn, x, step, cache.entries, self._rows, self._contrast, self._tail)
         if loss is not None:
             self._losses.append(loss)

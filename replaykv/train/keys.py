@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from replaykv.train.data import Evidence
+from replaykv.train.evidence import LayerLosses
 
 CODE_BYTES = 4  # a record's code A (`replaykv.train.data.lookup_row`)
 LR_SCALE = 10.0  # the heads' rate against the schedule's: fresh probes on a trained model
 ARROW = len(" -> ")
 
 
-class RecordKeys(nn.Module):
+class RecordKeys(nn.Module, LayerLosses):
     """Read-out heads on the compressed entries of KV source layers, with forward hooks on their
     attention blocks. `arm(rows, ids)` sets the next forward's records (per row of the
     micro-batch, its `Evidence`) and its token ids; a forward over exactly those rows from
@@ -65,9 +66,8 @@ class RecordKeys(nn.Module):
         self.heads = nn.ModuleDict(
             {str(i): nn.Linear(int(attns[i].head_dim), CODE_BYTES * 256) for i in self.layer_ids}
         )
-        for head in self.heads.values():
-            nn.init.zeros_(head.weight)
-            nn.init.zeros_(head.bias)
+        for q in self.heads.parameters():
+            nn.init.zeros_(q)
         self._rows: tuple[tuple[Evidence, ...], ...] = ()
         self._ids: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
@@ -80,30 +80,15 @@ class RecordKeys(nn.Module):
         self._seen.clear()
 
     def pop(self) -> torch.Tensor | None:
-        total = torch.stack(self._losses).mean() if self._losses else None
+        total = self._mean()
         self.arm((), None)
         return total
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _hook(self, attn: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
         x, step, cache = args[0], args[1], args[2]
         ids = self._ids
-        if (
-            ids is None
-            or not torch.is_grad_enabled()
-            or not any(self._rows)
-            or x.shape[0] != len(self._rows)
-            or x.shape[1] != ids.shape[1]
-            or any(step.start_host)
-            or step.context is not None
-            or attn.layer in self._seen
-        ):
+        if ids is None or not self._records(attn, x, step, ids.shape[1]):
             return
-        self._seen.add(attn.layer)
         loss = record_key_loss(self.heads[str(attn.layer)], cache.entries, attn.ratio, ids, self._rows)
         if loss is not None:
             self._losses.append(loss)
