@@ -14,37 +14,15 @@ import torch
 
 import replaykv.model.attention_v41 as attention_v41
 from replaykv.model.compressor import causal_entry_limit
-from replaykv.model.init import init_weights
-from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
-from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.train.data import Batch, Evidence, MixtureSampler, lookup_row
+from replaykv.train.data import Batch, MixtureSampler
 from replaykv.train.distill import IndexerDistillation
 from replaykv.train.evidence import EvidenceAttention
 from replaykv.train.loop import accumulate_gradients, train
 from replaykv.train.paths import path_losses
 from replaykv.train.pipeline.run import _check_recipe
 from replaykv.train.recipes import Mixture, Phase, tiny
-
-LENGTH = 256
-
-
-def _model() -> DeepseekV41ForCausalLM:
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(v41_tiny())
-    init_weights(model, seed=0)
-    return model
-
-
-def _rows(corpus, n: int = 2) -> tuple[torch.Tensor, tuple[tuple[Evidence, ...], ...]]:  # type: ignore[no-untyped-def]
-    rng = np.random.default_rng(3)
-    ids, evidence = [], []
-    while len(ids) < n:
-        row, _, _, found = lookup_row(rng, corpus["train"], LENGTH)
-        if found and len(found[0].records) > 1:  # a rival record for the contrastive form
-            ids.append(torch.from_numpy(row))
-            evidence.append(tuple(found))
-    return torch.stack(ids), tuple(evidence)
+from tests.train.lookups import LENGTH, lookup_rows, tiny_model
 
 
 def _reference(captured, rows, contrast: bool = False, tail: int = 0) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -97,9 +75,9 @@ def test_the_loss_reads_the_attention_the_layers_compute(
 ) -> None:  # type: ignore[no-untyped-def]
     """Under bf16 products (`--precision bf16`) the queries and entries are the bf16 model's;
     the softmax and the mass over them stay float32, as the reference computes them."""
-    model = _model()
+    model = tiny_model()
     spec = ModelSpec.from_config(model.config)
-    ids, rows = _rows(corpus)
+    ids, rows = lookup_rows(corpus)
     captured = []
     real = attention_v41.joint_attention
 
@@ -125,7 +103,7 @@ def test_the_loss_reads_the_attention_the_layers_compute(
 
 
 def test_naming_a_layer_without_entries_is_an_error() -> None:
-    hooks = EvidenceAttention(_model())
+    hooks = EvidenceAttention(tiny_model())
     with pytest.raises(ValueError, match=r"evidence layers \[0, 1\] read no compressed entries"):
         hooks.arm((), LENGTH, layers=(0, 1, 2))
     hooks.remove()
@@ -134,9 +112,9 @@ def test_naming_a_layer_without_entries_is_an_error() -> None:
 
 
 def test_the_loss_trains_queries_and_the_compressor_and_falls(corpus) -> None:  # type: ignore[no-untyped-def]
-    model = _model()
+    model = tiny_model()
     spec = ModelSpec.from_config(model.config)
-    ids, rows = _rows(corpus)
+    ids, rows = lookup_rows(corpus)
     hooks = EvidenceAttention(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     seen = []
@@ -162,14 +140,14 @@ def test_the_loss_trains_queries_and_the_compressor_and_falls(corpus) -> None:  
 
 
 def test_a_recipe_without_it_is_unchanged_and_with_it_adds_only_its_term(corpus) -> None:  # type: ignore[no-untyped-def]
-    ids, rows = _rows(corpus, n=2)
+    ids, rows = lookup_rows(corpus, n=2)
     recipe = tiny()
     batch = Batch(
         ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0, ("lookup",) * 2, (None,) * 2, rows
     )
     logged, grads = {}, {}
     for weight in (0.0, 0.5):
-        model = _model()
+        model = tiny_model()
         spec = ModelSpec.from_config(model.config)
         distill = IndexerDistillation(model, 0)
         hooks = EvidenceAttention(model) if weight else None
@@ -188,13 +166,13 @@ def test_its_own_budget_clips_it_apart_from_the_rest(corpus) -> None:  # type: i
     """`Phase.evidence_clip`: the gradient equals the rest's gradient clipped to the recipe's norm
     plus the evidence term's clipped to its own, each computed here from separate runs (the
     evidence term's as the difference of a run with it and one without)."""
-    ids, rows = _rows(corpus, n=2)
+    ids, rows = lookup_rows(corpus, n=2)
     batch = Batch(
         ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0, ("lookup",) * 2, (None,) * 2, rows
     )
 
     def grads(weight: float, clip: float, recipe_clip: float) -> tuple[list[torch.Tensor], dict[str, float]]:
-        model = _model()
+        model = tiny_model()
         recipe = dataclasses.replace(tiny(), grad_clip=recipe_clip)
         hooks = EvidenceAttention(model) if weight else None
         phase = Phase("base", 4, LENGTH, 2, Mixture(lookup=1.0), evidence_loss=weight, evidence_clip=clip)

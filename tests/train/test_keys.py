@@ -13,37 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from replaykv.model.init import init_weights
-from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.spec import ModelSpec
-from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.train.data import Evidence, lookup_row
 from replaykv.train.keys import RecordKeys
 from replaykv.train.loop import train
 from replaykv.train.paths import path_losses
 from replaykv.train.pipeline.run import _check_recipe
 from replaykv.train.recipes import Mixture, Phase, tiny
 from replaykv.train.state import STATE
-
-LENGTH = 256
-
-
-def _model() -> DeepseekV41ForCausalLM:
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(v41_tiny())
-    init_weights(model, seed=0)
-    return model
-
-
-def _rows(corpus, n: int = 2) -> tuple[torch.Tensor, tuple[tuple[Evidence, ...], ...]]:  # type: ignore[no-untyped-def]
-    rng = np.random.default_rng(5)
-    ids, evidence = [], []
-    while len(ids) < n:
-        row, _, _, found = lookup_row(rng, corpus["train"], LENGTH)
-        if found:
-            ids.append(torch.from_numpy(row))
-            evidence.append(tuple(found))
-    return torch.stack(ids), tuple(evidence)
+from tests.train.lookups import LENGTH, lookup_rows, tiny_model
 
 
 def _forward(model, keys, ids, rows):  # type: ignore[no-untyped-def]
@@ -54,8 +31,8 @@ def _forward(model, keys, ids, rows):  # type: ignore[no-untyped-def]
 
 
 def test_it_reads_each_records_code_from_the_entry_at_its_answer(corpus) -> None:  # type: ignore[no-untyped-def]
-    model = _model()
-    ids, rows = _rows(corpus)
+    model = tiny_model()
+    ids, rows = lookup_rows(corpus)
     keys = RecordKeys(model)
     assert all(float(q.abs().sum()) == 0 for q in keys.parameters())  # heads start at zero
     torch.manual_seed(1)
@@ -90,8 +67,8 @@ def test_it_reads_each_records_code_from_the_entry_at_its_answer(corpus) -> None
 
 
 def test_it_teaches_the_source_and_lowers_when_trained(corpus) -> None:  # type: ignore[no-untyped-def]
-    model = _model()
-    ids, rows = _rows(corpus)
+    model = tiny_model()
+    ids, rows = lookup_rows(corpus)
     keys = RecordKeys(model)
     opt = torch.optim.AdamW([*model.parameters(), *keys.parameters()], lr=3e-3)
     seen = []
@@ -114,7 +91,7 @@ def test_it_teaches_the_source_and_lowers_when_trained(corpus) -> None:  # type:
 
 
 def test_a_layer_that_is_no_kv_source_is_refused_by_name() -> None:
-    model = _model()
+    model = tiny_model()
     other = next(i for i in range(len(model.model.layers)) if not model.config.is_kv_source(i))
     with pytest.raises(ValueError, match=rf"record-key layers \[{other}\] are not KV sources"):
         RecordKeys(model, layers=(other,))
