@@ -38,7 +38,7 @@ from replaykv.train.evidence import LayerLosses
 
 CODE_BYTES = 4  # a record's code A (`replaykv.train.data.lookup_row`)
 LR_SCALE = 10.0  # the heads' rate against the schedule's: fresh probes on a trained model
-ARROW = len(" -> ")
+ANSWER = CODE_BYTES + len(" -> ")  # B[0]'s offset in a record `A -> B`
 
 
 class RecordKeys(nn.Module, LayerLosses):
@@ -104,15 +104,15 @@ def record_key_loss(
     """Mean cross-entropy of `head`'s prediction of each record's code bytes from the entry
     covering its answer's first byte. entries [B, N, D] (this forward's, gradients flowing to
     their source); ids [B, S]; a record [lo, hi) is `A -> B` with A at lo and B[0] at
-    lo + CODE_BYTES + ARROW."""
+    lo + ANSWER."""
     found = sorted({(b, lo) for b, row in enumerate(rows) for e in row for lo, _ in e.records})
-    found = [(b, lo) for b, lo in found if (lo + CODE_BYTES + ARROW) // ratio < entries.shape[1]]
+    found = [(b, lo) for b, lo in found if (lo + ANSWER) // ratio < entries.shape[1]]
     if not found:
         return None
     batch = torch.tensor([b for b, _ in found], device=entries.device)
     lo = torch.tensor([lo for _, lo in found], device=entries.device)
     with torch.autocast(entries.device.type, enabled=False):  # a loss: float32 under bf16 products
-        at = entries[batch, (lo + CODE_BYTES + ARROW) // ratio].float()  # [R, D]
+        at = entries[batch, (lo + ANSWER) // ratio].float()  # [R, D]
         logits = head(at).view(len(found), CODE_BYTES, 256)
         code = ids[batch[:, None], lo[:, None] + torch.arange(CODE_BYTES, device=ids.device)]
         return F.cross_entropy(logits.reshape(-1, 256), code.reshape(-1).long())

@@ -1,5 +1,5 @@
-"""What the tests of the lookup losses share: the tiny V4.1 model and lookup rows of the corpus
-with at least two records each."""
+"""What the tests of the lookup losses share: the tiny V4.1 model, lookup rows of the corpus
+with at least two records each, and the check that a loss reaches a KV source's compressor."""
 
 from __future__ import annotations
 
@@ -32,3 +32,9 @@ def lookup_rows(corpus, n: int = 2) -> tuple[torch.Tensor, tuple[tuple[Evidence,
             ids.append(torch.from_numpy(row))
             evidence.append(tuple(found))
     return torch.stack(ids), tuple(evidence)
+
+
+def assert_reaches_compressor(attn) -> None:  # type: ignore[no-untyped-def]
+    """Some parameter of `attn`'s compressor (a KV source's) has a nonzero gradient."""
+    assert attn.compressor is not None
+    assert any(float(p.grad.abs().sum()) > 0 for p in attn.compressor.parameters() if p.grad is not None)

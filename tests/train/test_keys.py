@@ -20,7 +20,7 @@ from replaykv.train.paths import path_losses
 from replaykv.train.pipeline.run import _check_recipe
 from replaykv.train.recipes import Mixture, Phase, tiny
 from replaykv.train.state import STATE
-from tests.train.lookups import LENGTH, lookup_rows, tiny_model
+from tests.train.lookups import LENGTH, assert_reaches_compressor, lookup_rows, tiny_model
 
 
 def _forward(model, keys, ids, rows):  # type: ignore[no-untyped-def]
@@ -78,11 +78,7 @@ def test_it_teaches_the_source_and_lowers_when_trained(corpus) -> None:  # type:
         assert loss is not None
         loss.backward()
         if i == 3:  # a zero head sends no gradient; it grows along what it reads
-            source = model.model.layers[keys.layer_ids[0]].self_attn
-            assert source.compressor is not None
-            assert any(
-                float(p.grad.abs().sum()) > 0 for p in source.compressor.parameters() if p.grad is not None
-            )
+            assert_reaches_compressor(model.model.layers[keys.layer_ids[0]].self_attn)
         opt.step()
         seen.append(float(loss))
     keys.remove()
