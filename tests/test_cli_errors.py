@@ -87,7 +87,7 @@ def test_serve_help_shows_real_defaults_and_preset_choices() -> None:
     assert got.returncode == 0
     text = " ".join(got.stdout.split())
     assert "default the engine's" not in text
-    assert "--preset {small,tiny,v4-flash,v4-tiny,v41-flash,v41-small,v41-small-vision,v41-tiny,v41-tiny-vision}" in text
+    assert "--preset {small,tiny,v4-flash,v4-tiny,v41-flash,v41-small,v41-small-vision,v41-tiny,v41-tiny-smooth,v41-tiny-vision}" in text
     defaults = EngineConfig()
     assert f"REPLAYKV_MAX_RUNNING_REQUESTS; default {defaults.max_batch})" in text
     assert f"REPLAYKV_CONTEXT_LENGTH; default {defaults.max_context})" in text

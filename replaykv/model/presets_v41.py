@@ -115,12 +115,22 @@ def v41_small_vision() -> DeepseekV41Config:
     return v41_small().replace(vision_config=vision, image_token_id=511)
 
 
+def v41_tiny_smooth() -> DeepseekV41Config:
+    """`v41-tiny` with every discrete choice made continuous: each indexer selects every
+    compressed entry of a 64-position sequence, the candidate source every block, each token
+    goes to all 4 experts, and the KV quantisers are off. For equivalence checks over many
+    optimizer steps, where a near tie in a top-k or a rounding step falling the other way would
+    turn float32 summation-order differences into diverging weights (docs/training.md)."""
+    return v41_tiny().replace(index_topk=64, candidate_topk_blocks=32, num_experts_per_tok=4, kv_quant=False)
+
+
 PRESETS_V41: dict[str, Callable[[], DeepseekV41Config]] = {
     "v41-flash": v41_flash,
     "v41-tiny": v41_tiny,
     "v41-small": v41_small,
     "v41-tiny-vision": v41_tiny_vision,
     "v41-small-vision": v41_small_vision,
+    "v41-tiny-smooth": v41_tiny_smooth,
 }
 
 

@@ -67,7 +67,9 @@ def released_composite() -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(PRESETS_V41))
 def test_flat_and_composite_round_trip_to_equal_configs(name: str) -> None:
-    config = get_preset_v41(name)
+    # kv_quant is a loading choice (`--kv-quant`), not a config.json field: a preset with the
+    # quantisers off (`v41-tiny-smooth`) reads back with them on.
+    config = get_preset_v41(name).replace(kv_quant=True)
     flat = DeepseekV41Config.from_dict(json.loads(json.dumps(config.to_dict())))
     composite = DeepseekV41Config.from_dict(json.loads(json.dumps(config.to_dict(composite=True))))
     assert flat == composite == config
