@@ -12,7 +12,9 @@ source layer predicts the four bytes of A from the entry covering B[0] (cross-en
 256 byte values, mean over records and bytes), so that the gradient flows through the entry into
 the source's compressor and the layers below it. The read-out heads are trained with the model
 (their own AdamW group, at `LR_SCALE` times the schedule's rate) and are not part of it: an
-export holds the model alone. They start at zero: a random head would send the entries a
+export holds the model alone, while a run's resumable state saves them with their moments (an
+exact resume continues them; a cold resume from a stage checkpoint starts them again). They
+start at zero: a random head would send the entries a
 gradient in random directions while it learns; a zero head first fits what the entries already
 hold (its gradient into them grows with it, along what it reads), and starts at the uniform
 prediction, ln 256 ≈ 5.55.

@@ -145,12 +145,6 @@ def train(
         )
     corpus = corpus if corpus is not None else load_corpus(max_files=recipe.corpus_files)
     continuing = resume and state_path.exists()
-    reads_keys = any(ph.record_keys > 0 for ph in recipe.phases)
-    if reads_keys and continuing:
-        raise NotImplementedError(
-            f"resuming {state_path} of a recipe with the record-key loss (Phase.record_keys): its "
-            "read-out heads are not saved in the state; start the run again"
-        )
     cold = cold_start(recipe, out, from_stage) if resume and not continuing else None
     if resume and not continuing and cold is None:
         raise FileNotFoundError(
@@ -165,6 +159,13 @@ def train(
     model = model.to(dev)
     spec = ModelSpec.from_config(model.config)
     opt = make_optimizer(model, recipe)
+    keys = None  # the record-key read-out: its heads live in the state, not in the export
+    if any(ph.record_keys > 0 for ph in recipe.phases):
+        layers = {ph.record_key_layers for ph in recipe.phases if ph.record_keys > 0}
+        if len(layers) > 1:
+            raise ValueError(f"recipe {recipe.name!r}: its phases read record keys of different layers")
+        keys = RecordKeys(model, layers.pop()).to(dev)
+        opt.add_param_group({"params": list(keys.parameters()), "weight_decay": 0.0, "lr_scale": LR_SCALE})
     step, seconds, tokens = 0, 0.0, 0
     stage_seconds: dict[str, float] = {}
     cold_from: int | None = None
@@ -184,6 +185,10 @@ def train(
         if state["recipe"] != recipe.name:
             raise ValueError(f"{state_path} belongs to recipe {state['recipe']!r}, not {recipe.name!r}")
         model.load_state_dict(state["model"])
+        if keys is not None:
+            if "record_keys" not in state:
+                raise ValueError(f"{state_path} holds no record-key heads, which this recipe trains")
+            keys.load_state_dict(state["record_keys"])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         step, seconds, tokens = state["step"], state["seconds"], state["tokens"]
@@ -196,13 +201,6 @@ def train(
     sampler = MixtureSampler(corpus["train"], recipe, spec.sliding_window, spec.group_alignment)
     distill = IndexerDistillation(model, recipe.indexer_rows if recipe.indexer_loss > 0 else 0)
     evidence = EvidenceAttention(model) if any(ph.evidence_loss > 0 for ph in recipe.phases) else None
-    keys = None
-    if reads_keys:
-        layers = {ph.record_key_layers for ph in recipe.phases if ph.record_keys > 0}
-        if len(layers) > 1:
-            raise ValueError(f"recipe {recipe.name!r}: its phases read record keys of different layers")
-        keys = RecordKeys(model, layers.pop()).to(dev)
-        opt.add_param_group({"params": list(keys.parameters()), "weight_decay": 0.0, "lr_scale": LR_SCALE})
     held = contextlib.ExitStack()
     if budgets:
         # its own budget backpropagates twice through a graph, which compiled backwards that
@@ -262,6 +260,8 @@ def train(
                     "stage_seconds": stage_seconds,
                     "cold_from": cold_from,
                 }
+                if keys is not None:
+                    meta["record_keys"] = keys.state_dict()
                 save_state(state_path, model, opt, meta)
                 last_save = time.monotonic()
             if step in recipe.stage_ends:

@@ -1,7 +1,8 @@
 """The record-key loss: it reads each record's code from the entry at its answer (checked against
 a reference over the entries the attention itself received), teaches the KV source's compressor,
-lowers when trained, runs in the training loop with its heads outside the export, and is refused
-where it is not implemented (resuming, pipeline training, a layer that is no KV source)."""
+lowers when trained, runs in the training loop with its heads outside the export and inside the
+resumable state, and is refused where it is not implemented (pipeline training, a layer that is
+no KV source)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def test_a_layer_that_is_no_kv_source_is_refused_by_name() -> None:
         RecordKeys(model, layers=(other,))
 
 
-def test_in_the_loop_its_heads_train_beside_the_model_and_stay_out_of_the_export(corpus, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_in_the_loop_its_heads_train_beside_the_model_outside_the_export_and_resume(corpus, tmp_path) -> None:  # type: ignore[no-untyped-def]
     phase = Phase("keys", 3, LENGTH, 2, Mixture(lookup=1.0), record_keys=1.0)
     recipe = dataclasses.replace(tiny(), phases=(phase,), log_every=1, quick_eval=None)
     train(recipe, tmp_path, corpus=corpus, progress=False, evaluate_at_end=False, max_steps=2)
@@ -101,9 +102,15 @@ def test_in_the_loop_its_heads_train_beside_the_model_and_stay_out_of_the_export
     steps = [r for r in logged if "record_keys" in r]
     assert len(steps) == 2 and all(np.isfinite(r["record_keys"]) and r["record_keys"] > 0 for r in steps)
     state = torch.load(tmp_path / STATE, weights_only=False)
-    assert not any("heads" in k for k in state["model"])  # the heads are not the model's
-    with pytest.raises(NotImplementedError, match="read-out heads are not saved"):
-        train(recipe, tmp_path, resume=True, corpus=corpus, progress=False, evaluate_at_end=False)
+    assert not any("heads" in k for k in state["model"])  # the heads are not the model's ...
+    assert state["record_keys"] and all("heads" in k for k in state["record_keys"])  # ... but the state's
+    # An exact resume continues them: the third step equals the third step of one whole run.
+    rest = train(recipe, tmp_path, resume=True, corpus=corpus, progress=False, evaluate_at_end=False)
+    whole = train(recipe, tmp_path / "whole", corpus=corpus, progress=False, evaluate_at_end=False)
+    assert rest.losses == whole.losses[2:]
+    a, b = (torch.load(d / STATE, weights_only=False) for d in (tmp_path, tmp_path / "whole"))
+    assert all(torch.equal(a["record_keys"][k], b["record_keys"][k]) for k in b["record_keys"])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
 
 
 def test_pipeline_training_refuses_it() -> None:
