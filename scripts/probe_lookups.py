@@ -10,23 +10,29 @@ windows (the bar's form, chance 1/4), and one link with its record inside the qu
 (chance 1/5). Teacher-forced and greedy exact match per cell, as the bar scores them
 (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless --threads says
 otherwise; --only TEXT scores the cells whose label holds TEXT; --kv-quant off scores the weights
-with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed.
+with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed. --choice adds, for
+the multi-hop cells, a measure finer than exact match: the teacher-forced log-likelihood of every
+record's answer B after the prompt, a case counted when the true answer ranks first (chance one
+over the number of records).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from replaykv.cache.views import advance, allocate_view
 from replaykv.model.checkpoint import load_config, load_model
+from replaykv.model.spec import ModelSpec
 from replaykv.train.bar import score_cases
 from replaykv.train.data import load_corpus
 from replaykv.train.recipes import BarSpec
-from replaykv.train.tasks import TaskSample, generate
+from replaykv.train.tasks import TOKENIZER, TaskSample, generate
 
 CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
     ("multihop, 1 link", "multihop", {"hops": 1, "distractors": 4}, 1 / 5),
@@ -69,6 +75,45 @@ def score_cell(
     return {"forced": forced, "greedy": greedy, "n": total, "chance": chance}
 
 
+def record_answers(case: TaskSample) -> list[tuple[int, ...]]:
+    """Every record's answer B (its bytes and <|end|>) in a multi-hop prompt, the true one first."""
+    end = TOKENIZER.special_ids["<|end|>"]
+    found = [bytes(case.prompt[a:b]).split(b" -> ")[1] for a, b in case.meta["records"]]
+    true = case.answer_text.encode()
+    return [(*true, end)] + [(*b, end) for b in found if b != true]
+
+
+@torch.no_grad()
+def choice_cell(
+    model: Any, cell: tuple[str, str, dict[str, Any], float], length: int, n: int, corpus: Any
+) -> dict[str, Any]:
+    """One multi-hop cell: how often the true answer is the likeliest of the records' answers."""
+    label, task, controls, _ = cell
+    t0 = time.perf_counter()
+    spec = ModelSpec.from_config(model.config)
+    hits, chance = 0, 0.0
+    cases = cases_of(task, controls, length, n, corpus)
+    for case in cases:
+        answers = record_answers(case)
+        p_len = len(case.prompt)
+        view = allocate_view(spec, 1, p_len + max(map(len, answers)), "cpu", model.lm_head.weight.dtype)
+        first = model(torch.tensor([case.prompt]), view, logits_rows="last")[0, -1].float().log_softmax(-1)
+        advance(view, p_len)
+        scores = []
+        for a in answers:  # each answer continues its own copy of the prompt's cache
+            rest = model(torch.tensor([a[:-1]]), copy.deepcopy(view))[0].float().log_softmax(-1)
+            scores.append(float(first[a[0]]) + sum(float(rest[i, t]) for i, t in enumerate(a[1:])))
+        hits += int(max(range(len(scores)), key=scores.__getitem__) == 0)
+        chance += 1 / len(answers)
+    chance /= max(len(cases), 1)
+    print(
+        f"{label} @ {length}: likeliest of the records' answers {hits}/{len(cases)} "
+        f"(chance {chance:.0%}; {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+    return {"choice": hits, "n": len(cases), "chance": chance}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -77,6 +122,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", default="", help="score only the cells whose label holds this text")
     p.add_argument("--kv-quant", choices=("config", "on", "off"), default="config")
+    p.add_argument("--choice", action="store_true", help="also rank the records' answers (multi-hop cells)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     quant = {"on": True, "off": False}.get(args.kv_quant)
@@ -84,6 +130,8 @@ def main() -> None:
     heldout = load_corpus()["heldout"]
     for cell in (c for c in CELLS if args.only in c[0]):
         score_cell(model, cell, args.length, args.cases, heldout)
+        if args.choice and cell[1] == "multihop":
+            choice_cell(model, cell, args.length, args.cases, heldout)
 
 
 if __name__ == "__main__":
