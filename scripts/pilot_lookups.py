@@ -88,6 +88,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         ship_as=None,
         checkpoint_every=10**9,
         eval_every=0,
+        seed=args.seed,
     )
 
 
@@ -136,6 +137,9 @@ def main() -> None:
     )
     p.add_argument(
         "--precision", default="auto", help="the training products' precision (auto, float32, bf16)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=small().seed, help="the batches' seed (another one: rows not read before)"
     )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)
