@@ -313,39 +313,74 @@ def test_context_parallel_step_equals_single_process(
                 assert e["bytes"][str(e["micro_batch"])] == 0, (stage["stage"], e)
 
 
-def test_twenty_steps_over_stages_and_shards_stay_within_1e_4(tmp_path: Path) -> None:
-    """2 stages x 2 shards (4 processes, the compact payload: a shadow indexer per process)
-    against one process over 20 optimizer steps. Each weight's gradient is summed per shard and
-    then across shards, in another order than one process sums it, so the weights cannot stay
-    the same bits; on `v41-tiny-smooth` (no top-k, routing or rounding choice for a near tie to
-    flip) they stay within 1e-4. On `v41-tiny` they do not, nor does one process against itself
-    with another micro-batch count (docs/training.md)."""
-    rec = dataclasses.replace(recipe(steps=20, seq_len=32), preset="v41-tiny-smooth")
+SMOOTH = dataclasses.replace(recipe(steps=20, seq_len=32), preset="v41-tiny-smooth")
+
+
+@pytest.fixture(scope="module")
+def smooth_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """One process's weights after SMOOTH's 20 steps."""
+    out = tmp_path_factory.mktemp("smooth")
+    train(
+        SMOOTH,
+        out,
+        evaluate_at_end=False,
+        progress=False,
+        micro_batch=1,
+        kernels="eager",
+        precision="float32",
+    )
+    state = torch.load(out / "train_state" / "state.pt", weights_only=False)
+    return {n: t.float() for n, t in state["model"].items()}
+
+
+@pytest.mark.parametrize(
+    ("stages", "bounds", "context"),
+    [
+        (2, (4,), 2),  # 2 stages x 2 shards, 4 processes
+        (4, (3, 5, 8), 1),  # source | Reuse, inside the encoder, candidates | Reindex
+    ],
+)
+def test_twenty_steps_of_the_compact_payload_and_shards_stay_within_1e_4(
+    tmp_path: Path,
+    smooth_reference: dict[str, torch.Tensor],
+    stages: int,
+    bounds: tuple[int, ...],
+    context: int,
+) -> None:
+    """The compact payload (a shadow indexer per process that rebuilds entries) and sequence
+    shards against one process over 20 optimizer steps. They sum a weight's gradient in another
+    order than one process does (per shard, then across shards; a source's latents from both
+    sides of a boundary), so the weights cannot stay the same bits; on `v41-tiny-smooth` (no
+    top-k, routing or rounding choice for a near tie to flip) they stay within 1e-4. On
+    `v41-tiny` they do not, nor does one process against itself with another micro-batch count
+    (docs/training.md)."""
     launch(
         PipelineArgs(
-            "tiny", str(tmp_path / "pp"), 2, 4, "1f1b", (4,), payload="compact", save=False, recipe_obj=rec,
-            dump_to=str(tmp_path / "dump"), threads=2, context=2,
+            "tiny", str(tmp_path / "pp"), stages, 4, "1f1b", bounds, payload="compact", save=False,
+            recipe_obj=SMOOTH, dump_to=str(tmp_path / "dump"), threads=2, context=context,
         )
     )  # fmt: skip
-    train(rec, tmp_path / "sp", evaluate_at_end=False, progress=False, micro_batch=1, kernels="eager",
-          precision="float32")  # fmt: skip
-    state = torch.load(tmp_path / "sp" / "train_state" / "state.pt", weights_only=False)
-    ref = {n: t.float() for n, t in state["model"].items()}
-    dumps = [torch.load(f"{tmp_path / 'dump'}.rank{r}") for r in range(4)]  # rank = stage * 2 + shard
-    for stage in (0, 1):  # the shards of a stage step the same weights
-        a, b = dumps[2 * stage]["params"], dumps[2 * stage + 1]["params"]
-        assert all(torch.equal(a[n], b[n]) for n in a)
-    params = {**dumps[0]["params"], **dumps[2]["params"]}
+    ref = smooth_reference
+    dumps = [torch.load(f"{tmp_path / 'dump'}.rank{r}") for r in range(stages * context)]  # stage-major
+    for stage in range(stages):  # the shards of a stage step the same weights
+        mine = dumps[stage * context : (stage + 1) * context]
+        assert all(
+            torch.equal(mine[0]["params"][n], d["params"][n]) for d in mine[1:] for n in mine[0]["params"]
+        )
+    params = {n: t for stage in range(stages) for n, t in dumps[stage * context]["params"].items()}
     assert set(params) == set(ref)
     whole, worst = grad_errors(params, ref)  # the same measure as the gradients' (floored norms)
     assert whole <= 1e-4 and worst <= 1e-4, (whole, worst)
-    # Every process's copy of source 2's index keys (the owner's on stage 0, the shadows on
-    # stage 1) is the same bits after every step.
+    # Every process's copy of a shared index component (its owner's and its shadows on later
+    # stages) is the same bits after every step.
     steps = [d["keys"] for d in dumps]
     assert all(len(s) == 20 for s in steps)
+    shared = {src for s in steps for src in s[0]}
+    assert shared and all(sum(src in s[0] for s in steps) > context for src in shared)  # shadows exist
     for i in range(20):
-        owner = steps[0][i][2]
-        assert all(all(torch.equal(x, y) for x, y in zip(owner, s[i][2], strict=True)) for s in steps[1:])
+        for src in shared:
+            copies = [s[i][src] for s in steps if src in s[i]]
+            assert all(all(torch.equal(x, y) for x, y in zip(copies[0], c, strict=True)) for c in copies[1:])
 
 
 def test_the_shipped_step_settings_run_in_stages(tmp_path: Path) -> None:
