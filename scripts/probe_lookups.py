@@ -91,17 +91,24 @@ def choice_cell(
     label, task, controls, _ = cell
     t0 = time.perf_counter()
     spec = ModelSpec.from_config(model.config)
+    device = next(model.parameters()).device
     hits, chance = 0, 0.0
     cases = cases_of(task, controls, length, n, corpus)
     for case in cases:
         answers = record_answers(case)
         p_len = len(case.prompt)
-        view = allocate_view(spec, 1, p_len + max(map(len, answers)), "cpu", model.lm_head.weight.dtype)
-        first = model(torch.tensor([case.prompt]), view, logits_rows="last")[0, -1].float().log_softmax(-1)
+        view = allocate_view(spec, 1, p_len + max(map(len, answers)), device, model.lm_head.weight.dtype)
+        first = (
+            model(torch.tensor([case.prompt], device=device), view, logits_rows="last")[0, -1]
+            .float()
+            .log_softmax(-1)
+        )
         advance(view, p_len)
         scores = []
         for a in answers:  # each answer continues its own copy of the prompt's cache
-            rest = model(torch.tensor([a[:-1]]), copy.deepcopy(view))[0].float().log_softmax(-1)
+            rest = (
+                model(torch.tensor([a[:-1]], device=device), copy.deepcopy(view))[0].float().log_softmax(-1)
+            )
             scores.append(float(first[a[0]]) + sum(float(rest[i, t]) for i, t in enumerate(a[1:])))
         hits += int(max(range(len(scores)), key=scores.__getitem__) == 0)
         chance += 1 / len(answers)

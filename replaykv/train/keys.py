@@ -14,10 +14,9 @@ the source's compressor and the layers below it. The read-out heads are trained 
 (their own AdamW group, at `LR_SCALE` times the schedule's rate) and are not part of it: an
 export holds the model alone, while a run's resumable state saves them with their moments (an
 exact resume continues them; a cold resume from a stage checkpoint starts them again). They
-start at zero: a random head would send the entries a
-gradient in random directions while it learns; a zero head first fits what the entries already
-hold (its gradient into them grows with it, along what it reads), and starts at the uniform
-prediction, ln 256 ≈ 5.55.
+start at zero: a random head would send the entries a gradient in random directions while it
+learns; a zero head first fits what the entries already hold (its gradient into them grows with
+it, along what it reads), and starts at the uniform prediction, ln 256 ≈ 5.55.
 
 Records are those of the rows' `Evidence` (`replaykv.train.data`: lookup rows, and multi-hop
 rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the forward's length
