@@ -40,6 +40,16 @@ from replaykv.train.data import Evidence
 _FLOOR = 1e-6  # mass floor inside the log: a record with no mass costs log(1e6) ≈ 14, not inf
 
 
+def entry_attentions(model: Any) -> dict[int, Any]:
+    """Layer index -> attention block, for every layer of `model` whose attention reads
+    compressed entries (a layer of another pipeline stage, None, is left out)."""
+    return {
+        i: layer.self_attn
+        for i, layer in enumerate(model.model.layers)
+        if getattr(getattr(layer, "self_attn", None), "ratio", 0)
+    }
+
+
 class LayerLosses:
     """The bookkeeping of forward hooks that record one loss per attention layer over an armed
     forward: the armed rows, the layers seen since `arm`, the losses, the hook handles."""
@@ -91,13 +101,9 @@ class EvidenceAttention(LayerLosses):
         self._layers: tuple[int, ...] = ()
         self._losses: list[torch.Tensor] = []
         self._seen: set[int] = set()  # layers recorded since `arm`: a later path's pass adds none
-        hooked = [
-            (i, layer.self_attn)
-            for i, layer in enumerate(model.model.layers)
-            if getattr(getattr(layer, "self_attn", None), "ratio", 0)  # None: another stage's
-        ]
-        self.layer_ids = tuple(i for i, _ in hooked)
-        self._handles = [attn.register_forward_hook(self._hook) for _, attn in hooked]
+        hooked = entry_attentions(model)
+        self.layer_ids = tuple(hooked)
+        self._handles = [attn.register_forward_hook(self._hook) for attn in hooked.values()]
 
     def arm(
         self,

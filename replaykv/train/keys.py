@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replaykv.train.data import Evidence
-from replaykv.train.evidence import LayerLosses
+from replaykv.train.evidence import LayerLosses, entry_attentions
 
 CODE_BYTES = 4  # a record's code A (`replaykv.train.data.lookup_row`)
 LR_SCALE = 10.0  # the heads' rate against the schedule's: fresh probes on a trained model
@@ -55,11 +55,7 @@ class RecordKeys(nn.Module, LayerLosses):
     def __init__(self, model: Any, layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         config = model.config
-        attns = {
-            i: layer.self_attn
-            for i, layer in enumerate(model.model.layers)
-            if getattr(getattr(layer, "self_attn", None), "ratio", 0) and config.is_kv_source(i)
-        }
+        attns = {i: a for i, a in entry_attentions(model).items() if config.is_kv_source(i)}
         self.layer_ids = tuple(layers) or tuple(attns)
         absent = sorted(set(self.layer_ids) - set(attns))
         if absent:
