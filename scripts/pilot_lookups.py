@@ -14,6 +14,7 @@ replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive fo
 counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
 `--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
 `--record-key-layers`),
+with `--cycle`, the row shapes in turn that the recipe's last phases use,
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.
@@ -44,6 +45,14 @@ from probe_lookups import CELLS, score_cell
 DEFAULT_MIXTURE = "lookup=0.5,multihop=0.2,passkey=0.15,copy=0.1,text=0.05"
 
 
+def parse_shape(text: str) -> tuple[int, int, int | None]:
+    """'1024x8x4' (seq_len x batch x micro-batch) or '512x8' as a `Phase.cycle` entry."""
+    parts = [int(x) for x in text.split("x")]
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"error: --cycle takes SEQxBATCH[xMICRO] shapes, got {text!r}")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
 def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recipe:
     base = small()
     phase = Phase(
@@ -51,6 +60,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         steps=args.steps,
         seq_len=args.seq_len,
         batch=args.batch,
+        cycle=tuple(parse_shape(x) for x in args.cycle.split(",") if x),
         mixture=mixture,
         answer_weight=TASK_ANSWER_WEIGHT,
         copy_weight=base.phases[-1].copy_weight,  # the task phase's
@@ -101,6 +111,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--cycle",
+        default="",
+        help="row shapes taken in turn, e.g. 1024x8x4,2048x4x2 (Phase.cycle; empty: --seq-len x --batch)",
+    )
     p.add_argument("--index-topk", type=int, default=512)
     p.add_argument("--mixture", default=DEFAULT_MIXTURE, help="row kind=weight pairs")
     p.add_argument(
