@@ -293,6 +293,48 @@ def lookup_row(
     return ids, answer, used, sorted(evidence, key=lambda e: e.query)
 
 
+def recall_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of four link records and two questions about them, each block inside one window:
+    ids [length], an answer mask [length] (True on each answer's bytes) and a mask of every
+    inserted byte.
+
+    A block holds one chain of three codes (two links) and two unrelated links, in random
+    order, then, in random order, `Follow 2 links from` the chain's first code and `Follow 1
+    links from` one of the four records' first codes, each with its answer (the multi-hop task's
+    words). Blocks are 120 bytes with 0-47 bytes of corpus text between them, so every question
+    sits less than 128 bytes after the records it needs: the match by a drawn code and the
+    composition of two links with the window's full-resolution keys, four answers a window,
+    before the same is asked across the compressed entries."""
+    ids = corpus.window(rng, length, prose)
+    answer = np.zeros(length, dtype=bool)
+    used = np.zeros(length, dtype=bool)
+    codes: set[str] = set()
+    at = int(rng.integers(0, 48))
+    while True:
+        chain = [link_code(rng, codes) for _ in range(3)]
+        links = [(chain[0], chain[1]), (chain[1], chain[2])]
+        links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(2)]
+        records = "".join(f"\n{links[i][0]} -> {links[i][1]}\n" for i in rng.permutation(4))
+        one = links[int(rng.integers(0, 4))]
+        asked = [(2, chain[0], chain[2]), (1, one[0], one[1])]
+        block = records.encode()
+        spans: list[tuple[int, int]] = []
+        for i in rng.permutation(2):
+            hops, start, end = asked[i]
+            question = f"\nFollow {hops} links from {start}: ".encode()
+            spans.append((len(block) + len(question), len(block) + len(question) + len(end)))
+            block += question + f"{end}\n".encode()
+        if at + len(block) > length:
+            return ids, answer, used
+        ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
+        used[at : at + len(block)] = True
+        for lo, hi in spans:
+            answer[at + lo : at + hi] = True
+        at += len(block) + int(rng.integers(0, 48))
+
+
 def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
     """One random string of 10-40 bytes (upper case and digits) written again and again to fill
     `length`: ids [length] and the string's size. Every byte after the first repeat's first is a
@@ -388,6 +430,12 @@ class MixtureSampler:
                     targets[row, first : first + size] = 0.0
                     targets[row, repeat] = 0.0
                 targets[row, mask] = phase.copy_weight
+                continue
+            if kind == "recall":
+                ids[row], answers, inserted = recall_row(rng, self.corpus, length, prose)
+                targets[row, 1:] = 1.0
+                targets[row, inserted] = 0.0
+                targets[row, answers] = phase.copy_weight
                 continue
             if kind == "lookup":
                 ids[row], answers, inserted, found = lookup_row(

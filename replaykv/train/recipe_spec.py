@@ -25,7 +25,9 @@ class Mixture:
     random string repeated to fill the row (see :func:`replaykv.train.data.repeat_row`):
     nothing but in-window copying, for a first phase that forms the copying circuit. `lookup` rows
     hold link records and, after them, questions in the multi-hop task's words with their answers
-    (see :func:`replaykv.train.data.lookup_row`): many lookups by a random key per row."""
+    (see :func:`replaykv.train.data.lookup_row`): many lookups by a random key per row. `recall`
+    rows hold blocks of records each followed by one- and two-link questions inside one window
+    (see :func:`replaykv.train.data.recall_row`)."""
 
     text: float = 0.45
     passkey: float = 0.15
@@ -36,6 +38,7 @@ class Mixture:
     copy: float = 0.0
     repeat: float = 0.0
     lookup: float = 0.0
+    recall: float = 0.0
     prose_fraction: float = 0.3
     # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
     # half, questions after; see replaykv.train.data.lookup_row).
@@ -60,7 +63,9 @@ class Mixture:
             "tool": self.tool,
             "copy": self.copy,
             "repeat": self.repeat,
-            "lookup": self.lookup,  # last: a zero weight at the end leaves earlier phases' draws as they were
+            "lookup": self.lookup,
+            # last: zero weights at the end leave earlier phases' draws as they were
+            "recall": self.recall,
         }
 
 

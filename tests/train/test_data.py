@@ -18,6 +18,7 @@ from replaykv.train.data import (
     list_files,
     load_corpus,
     lookup_row,
+    recall_row,
     repeat_row,
     split_of,
     stdlib_root,
@@ -226,6 +227,40 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
         at = np.flatnonzero(t == 5.0)
         assert len(at) >= 8 and np.isin(ids[at], COPY_ALPHABET).all()
         assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > 256
+
+
+def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # type: ignore[no-untyped-def]
+    record = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
+    question = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
+    rng = np.random.default_rng(12)
+    for _ in range(20):
+        ids, answers, inserted = recall_row(rng, corpus["train"], 512)
+        assert ids.shape == answers.shape == inserted.shape == (512,) and not (answers & ~inserted).any()
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        links = {m.group(1): (m.group(2), m.start()) for m in record.finditer(text)}
+        asked = list(question.finditer(text))
+        assert len(links) == 2 * len(asked) >= 6  # four records and two questions a block
+        assert sorted(q.group(1) for q in asked) == sorted([b"1", b"2"] * (len(asked) // 2))
+        expected = np.zeros(512, dtype=bool)
+        for q in asked:
+            code, first = q.group(2), q.start()
+            for _ in range(int(q.group(1))):  # follow the links the row recorded
+                code, at = links[code]
+                first = min(first, at)
+            # the answer, and every record it needs within one window before the answer's end
+            assert code == q.group(3) and q.end(3) - first < 128
+            expected[q.start(3) : q.end(3)] = True
+        assert (answers == expected).all()
+    mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, recall=1.0)
+    recipe = dataclasses.replace(
+        tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=()
+    )
+    batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
+    assert batch.kinds == ("recall", "recall")
+    for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
+        at = np.flatnonzero(t == 5.0)
+        assert len(at) >= 24 and np.isin(ids[at], COPY_ALPHABET).all()
+        assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > 0
 
 
 def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
