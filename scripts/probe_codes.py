@@ -5,7 +5,7 @@
 A lookup beyond the window needs the asked code A in two places: in the question's last row,
 which forms the query, and in the record `A -> B` near B, which the compressed entries keep
 (the window no longer reaches A from there). This probe runs held-out lookup rows
-(replaykv.train.data.lookup_row on held-out filler, seed 4242, 1,024 tokens), takes each
+(replaykv.train.rows.lookup_row on held-out filler, seed 4242, 1,024 tokens), takes each
 layer's attention input (normed) at chosen rows, and fits a linear classifier per layer (36
 classes: upper case and digits; 70% of the cases to fit, 30% to score; chance 0.03) for one
 character of A:
@@ -31,7 +31,8 @@ import torch
 from replaykv.cache.views import allocate_view
 from replaykv.model.checkpoint import load_model
 from replaykv.model.spec import ModelSpec
-from replaykv.train.data import load_corpus, lookup_row
+from replaykv.train.data import load_corpus
+from replaykv.train.rows import lookup_row
 
 ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 RECORD = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")

@@ -24,7 +24,8 @@ import torch
 from replaykv.cache.views import allocate_view
 from replaykv.model.checkpoint import load_model
 from replaykv.model.spec import ModelSpec
-from replaykv.train.data import COPY_ALPHABET, Corpus, load_corpus
+from replaykv.train.data import Corpus, load_corpus
+from replaykv.train.rows import COPY_ALPHABET
 
 SEED = 777
 SIZE = 16

@@ -6,7 +6,7 @@ through the compressed entries once the record lies before the question's window
 language-model loss reaches that match only through the answer's bytes; on its own it taught
 the `small` model where records are but hardly which one is asked (docs/training.md, "the match
 by code is weak"). This loss adds the direct signal the data already know: for every question
-row of a batch (`replaykv.train.data.Evidence`), in every layer that reads compressed entries,
+row of a batch (`replaykv.train.rows.Evidence`), in every layer that reads compressed entries,
 the negative log of the attention mass, averaged over heads, that the row's query puts on the
 entries covering the record, out of a softmax over the entries it may see. The softmax leaves
 out the window and the sink, so the loss shapes which entry wins among the entries and not
@@ -35,7 +35,7 @@ import torch
 
 from replaykv.model.compressor import causal_entry_limit
 from replaykv.model.step import Step
-from replaykv.train.data import Evidence
+from replaykv.train.rows import Evidence
 
 _FLOOR = 1e-6  # mass floor inside the log: a record with no mass costs log(1e6) ≈ 14, not inf
 

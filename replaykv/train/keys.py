@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replaykv.train.data import Evidence
 from replaykv.train.evidence import LayerLosses, entry_attentions
+from replaykv.train.rows import Evidence
 
-CODE_BYTES = 4  # a record's code A (`replaykv.train.data.lookup_row`)
+CODE_BYTES = 4  # a record's code A (`replaykv.train.rows.lookup_row`)
 LR_SCALE = 10.0  # the heads' rate against the schedule's: fresh probes on a trained model
 ANSWER = CODE_BYTES + len(" -> ")  # B[0]'s offset in a record `A -> B`
 

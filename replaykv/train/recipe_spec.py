@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass, field, replace
 class Mixture:
     """Sampling weights of the row kinds (normalised when sampled) and, for text rows, the share
     of prose (docstrings) versus code. `copy` rows are text with random strings repeated later in
-    the row (see :func:`replaykv.train.data.copy_row`): dense copy targets at distances inside
+    the row (see :func:`replaykv.train.rows.copy_row`): dense copy targets at distances inside
     and beyond the window, the skill every retrieval task is built on. `repeat` rows are one
-    random string repeated to fill the row (see :func:`replaykv.train.data.repeat_row`):
+    random string repeated to fill the row (see :func:`replaykv.train.rows.repeat_row`):
     nothing but in-window copying, for a first phase that forms the copying circuit. `lookup` rows
     hold link records and, after them, questions in the multi-hop task's words with their answers
-    (see :func:`replaykv.train.data.lookup_row`): many lookups by a random key per row. `recall`
+    (see :func:`replaykv.train.rows.lookup_row`): many lookups by a random key per row. `recall`
     rows hold blocks of records each followed by one- and two-link questions inside one window
-    (see :func:`replaykv.train.data.recall_row`)."""
+    (see :func:`replaykv.train.rows.recall_row`)."""
 
     text: float = 0.45
     passkey: float = 0.15
@@ -41,7 +41,7 @@ class Mixture:
     recall: float = 0.0
     prose_fraction: float = 0.3
     # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
-    # half, questions after; see replaykv.train.data.lookup_row).
+    # half, questions after; see replaykv.train.rows.lookup_row).
     lookup_segment: int = 0
 
     def __post_init__(self) -> None:

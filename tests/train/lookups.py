@@ -9,7 +9,7 @@ import torch
 from replaykv.model.init import init_weights
 from replaykv.model.presets_v41 import v41_tiny
 from replaykv.model.v41 import DeepseekV41ForCausalLM
-from replaykv.train.data import Evidence, lookup_row
+from replaykv.train.rows import Evidence, lookup_row
 
 LENGTH = 256
 

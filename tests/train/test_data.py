@@ -11,19 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from replaykv.train.data import (
-    COPY_ALPHABET,
-    MixtureSampler,
-    copy_row,
-    list_files,
-    load_corpus,
-    lookup_row,
-    recall_row,
-    repeat_row,
-    split_of,
-    stdlib_root,
-)
+from replaykv.train.data import MixtureSampler, list_files, load_corpus, split_of, stdlib_root
 from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
+from replaykv.train.rows import COPY_ALPHABET, copy_row, lookup_row, recall_row, repeat_row
 from replaykv.train.tasks import TASKS, TOKENIZER, generate, score
 
 FILES = 40

@@ -1,0 +1,201 @@
+"""The row builders of the training mixture beyond plain text and task prompts: copy rows, lookup
+rows, recall rows and repeat rows (ids, loss masks and, for lookups, where each answer's evidence
+is), each a pure function of a random generator and a corpus window.
+
+Not for: sampling a batch (see :class:`replaykv.train.data.MixtureSampler`) or the corpus itself
+(:mod:`replaykv.train.data`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from replaykv.train.tasks import link_code
+
+if TYPE_CHECKING:
+    from replaykv.train.data import Corpus
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Where an answer's evidence is: the row `query` that predicts the answer's first byte and
+    the positions [lo, hi) of the text it needs (a lookup's record `A -> B`), for the
+    evidence-attention loss (:mod:`replaykv.train.evidence`); `records`: the [lo, hi) of every
+    record of the row (the needed one among them), the rivals of its contrastive form."""
+
+    query: int
+    lo: int
+    hi: int
+    records: tuple[tuple[int, int], ...] = ()
+
+
+# ---------------------------------------------------------------------------- copy rows
+COPY_ALPHABET = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)
+
+
+def copy_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, window: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """A corpus window with random strings, each written twice: ids [length], a copy mask
+    [length] (True on a repeat's bytes after its first, the only predictable ones) and the
+    (first, repeat, size) of each string.
+
+    About one string of 6-32 bytes (upper case and digits) per 64 bytes; half of the repeats
+    follow within the `window`, the others anywhere later in the row. A first occurrence and a
+    repeat's first byte are random: the sampler gives them no loss."""
+    ids = corpus.window(rng, length, prose)
+    used = np.zeros(length, dtype=bool)
+    copy = np.zeros(length, dtype=bool)
+    pairs: list[tuple[int, int, int]] = []
+    for _ in range(max(1, length // 64)):
+        for _attempt in range(8):
+            size = int(rng.integers(6, 33))
+            room = length - 2 * size
+            if room < 0:
+                break
+            near = rng.uniform() < 0.5
+            gap = int(rng.integers(0, min(window, room) + 1)) if near else int(rng.integers(0, room + 1))
+            first = int(rng.integers(0, room - gap + 1))
+            repeat = first + size + gap
+            if (
+                used[max(0, first - 1) : first + size + 1].any()
+                or used[max(0, repeat - 1) : repeat + size + 1].any()
+            ):
+                continue
+            text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), size)]
+            ids[first : first + size] = text
+            ids[repeat : repeat + size] = text
+            used[first : first + size] = used[repeat : repeat + size] = True
+            copy[repeat + 1 : repeat + size] = True
+            pairs.append((first, repeat, size))
+            break
+    return ids, copy, sorted(pairs)
+
+
+def lookup_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False, segment: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
+    """Link records and questions about them in a corpus window: ids [length], an answer mask
+    [length] (True on each answer's bytes), a mask of every inserted byte and, for each question
+    about one link in the row's order, the row that predicts its answer's first byte with the
+    span `A -> B` of the record it needs (the rest need records found through others; see
+    `Evidence`).
+
+    The first 40-60% of the row holds the records `A -> B` of one chain of 2-4 codes (four upper
+    case letters or digits) per 256 bytes, in random order and places; the rest holds up to two
+    different questions per chain in the multi-hop task's words, `Follow h links from A: Z`, each
+    about links that all made it into the row. Answering is a lookup by a key drawn for this row:
+    what the multi-hop and chain tasks need and a pass key's fixed phrase does not teach, here a
+    dozen times a row instead of once.
+
+    With `segment` > 0 the row is cut into segments of that many bytes, one chain each: its
+    records in the segment's first 40%, its questions in its last 40%, so a question sits at most
+    `segment` bytes after the records it needs (a distance the caller sets against the window)."""
+    ids = corpus.window(rng, length, prose)
+    answer = np.zeros(length, dtype=bool)
+    used = np.zeros(length, dtype=bool)
+    split = 0 if segment else int(length * rng.uniform(0.4, 0.6))
+
+    def put(text: bytes, lo: int, hi: int) -> int | None:
+        for _ in range(16):
+            if hi - lo < len(text):
+                return None
+            at = int(rng.integers(lo, hi - len(text) + 1))
+            if not used[max(0, at - 1) : at + len(text) + 1].any():
+                ids[at : at + len(text)] = np.frombuffer(text, dtype=np.uint8)
+                used[at : at + len(text)] = True
+                return at
+        return None
+
+    codes: set[str] = set()
+    chains = [
+        [link_code(rng, codes) for _ in range(int(rng.integers(2, 5)))]
+        for _ in range(max(1, length // (segment or 256)))
+    ]
+
+    def records_span(c: int) -> tuple[int, int]:
+        return (c * segment, c * segment + segment * 2 // 5) if segment else (0, split)
+
+    def questions_span(c: int) -> tuple[int, int]:
+        return (c * segment + segment * 3 // 5, (c + 1) * segment) if segment else (split, length)
+
+    links = [(c, a, b) for c, chain in enumerate(chains) for a, b in itertools.pairwise(chain)]
+    placed: dict[tuple[str, str], int] = {}
+    span = {(a, b): len(f"{a} -> {b}") for _, a, b in links}
+    for c, a, b in (links[i] for i in rng.permutation(len(links))):
+        at = put(f"\n{a} -> {b}\n".encode(), *records_span(c))
+        if at is not None:
+            placed[(a, b)] = at + 1  # the record's first byte, after its newline
+    records = tuple(sorted((at, at + span[link]) for link, at in placed.items()))
+    evidence: list[Evidence] = []
+    for c, chain in enumerate(chains):
+        pairs = [(i, h) for i in range(len(chain) - 1) for h in range(1, len(chain) - i)]
+        for k in rng.permutation(len(pairs))[:2]:  # two different questions (a repeat is a copy)
+            i, h = pairs[k]
+            if not all(link in placed for link in itertools.pairwise(chain[i : i + h + 1])):
+                continue
+            question = f"\nFollow {h} links from {chain[i]}: "
+            at = put(f"{question}{chain[i + h]}\n".encode(), *questions_span(c))
+            if at is not None:
+                answer[at + len(question) : at + len(question) + len(chain[i + h])] = True
+                if h == 1:
+                    link = (chain[i], chain[i + 1])
+                    first = placed[link]
+                    evidence.append(Evidence(at + len(question) - 1, first, first + span[link], records))
+    return ids, answer, used, sorted(evidence, key=lambda e: e.query)
+
+
+def recall_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of four link records and two questions about them, each block inside one window:
+    ids [length], an answer mask [length] (True on each answer's bytes) and a mask of every
+    inserted byte.
+
+    A block holds one chain of three codes (two links) and two unrelated links, in random
+    order, then, in random order, `Follow 2 links from` the chain's first code and `Follow 1
+    links from` one of the four records' first codes, each with its answer (the multi-hop task's
+    words). Blocks are 120 bytes with 0-47 bytes of corpus text between them, so every question
+    sits less than 128 bytes after the records it needs: the match by a drawn code and the
+    composition of two links with the window's full-resolution keys, four answers a window,
+    before the same is asked across the compressed entries."""
+    ids = corpus.window(rng, length, prose)
+    answer = np.zeros(length, dtype=bool)
+    used = np.zeros(length, dtype=bool)
+    codes: set[str] = set()
+    at = int(rng.integers(0, 48))
+    while True:
+        chain = [link_code(rng, codes) for _ in range(3)]
+        links = [(chain[0], chain[1]), (chain[1], chain[2])]
+        links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(2)]
+        records = "".join(f"\n{links[i][0]} -> {links[i][1]}\n" for i in rng.permutation(4))
+        one = links[int(rng.integers(0, 4))]
+        asked = [(2, chain[0], chain[2]), (1, one[0], one[1])]
+        block = records.encode()
+        spans: list[tuple[int, int]] = []
+        for i in rng.permutation(2):
+            hops, start, end = asked[i]
+            question = f"\nFollow {hops} links from {start}: ".encode()
+            spans.append((len(block) + len(question), len(block) + len(question) + len(end)))
+            block += question + f"{end}\n".encode()
+        if at + len(block) > length:
+            return ids, answer, used
+        ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
+        used[at : at + len(block)] = True
+        for lo, hi in spans:
+            answer[at + lo : at + hi] = True
+        at += len(block) + int(rng.integers(0, 48))
+
+
+def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
+    """One random string of 10-40 bytes (upper case and digits) written again and again to fill
+    `length`: ids [length] and the string's size. Every byte after the first repeat's first is a
+    copy of the byte one period back, inside the window: the densest copy target there is, for
+    the phase that forms the copying circuit before anything else (see `Recipe` `small`)."""
+    size = int(rng.integers(10, 41))
+    text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), size)]
+    return np.resize(text, length).astype(np.int64), size
