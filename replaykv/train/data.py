@@ -252,7 +252,8 @@ class MixtureSampler:
                 targets[row, mask] = phase.copy_weight
                 continue
             if kind == "recall":
-                ids[row], answers, inserted = recall_row(rng, self.corpus, length, prose)
+                ids[row], answers, inserted, found = recall_row(rng, self.corpus, length, prose)
+                evidence[row] = tuple(found) if "recall" in phase.evidence_rows else ()
                 targets[row, 1:] = 1.0
                 targets[row, inserted] = 0.0
                 targets[row, answers] = phase.copy_weight

@@ -114,8 +114,9 @@ class Phase:
     against the row's other records instead of against every entry; `evidence_rows`: the row
     kinds whose questions it reads (`lookup`: a lookup row's one-link questions; `multihop`: a
     multi-hop task row's question, its evidence the record of the last link, every record of
-    the prompt its rivals); `evidence_tail`: 0, each record counts whole; n > 0, by its last n
-    bytes only (4: a record `A -> B`'s answer code B); `evidence_layers`: the layers it teaches
+    the prompt its rivals; `recall`: a recall row's one-link questions); `evidence_tail`: 0,
+    each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
+    code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
     rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
     rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`). `record_keys`: the weight
@@ -158,8 +159,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
         if not self.evidence_loss >= 0:
             raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
-        if not set(self.evidence_rows) <= {"lookup", "multihop"}:
-            raise ValueError(f"phase {self.name}: evidence_rows are lookup and/or multihop rows")
+        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall"}:
+            raise ValueError(f"phase {self.name}: evidence_rows are lookup, multihop and/or recall rows")
         if self.evidence_tail < 0:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
         if any(i < 0 for i in self.evidence_layers):

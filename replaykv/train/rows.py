@@ -151,10 +151,11 @@ def lookup_row(
 
 def recall_row(
     rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
     """Blocks of four link records and two questions about them, each block inside one window:
-    ids [length], an answer mask [length] (True on each answer's bytes) and a mask of every
-    inserted byte.
+    ids [length], an answer mask [length] (True on each answer's bytes), a mask of every
+    inserted byte and, for each one-link question, the row that predicts its answer's first byte
+    with the span `A -> B` of its record and the spans of the row's records (`Evidence`).
 
     A block holds one chain of three codes (two links) and two unrelated links, in random
     order, then, in random order, `Follow 2 links from` the chain's first code and `Follow 1
@@ -167,27 +168,38 @@ def recall_row(
     answer = np.zeros(length, dtype=bool)
     used = np.zeros(length, dtype=bool)
     codes: set[str] = set()
+    spans: list[tuple[int, int]] = []  # every record's `A -> B` in the row
+    asks: list[tuple[int, tuple[int, int]]] = []  # a one-link question's answer start, its record
     at = int(rng.integers(0, 48))
     while True:
         chain = [link_code(rng, codes) for _ in range(3)]
         links = [(chain[0], chain[1]), (chain[1], chain[2])]
         links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(2)]
-        records = "".join(f"\n{links[i][0]} -> {links[i][1]}\n" for i in rng.permutation(4))
-        one = links[int(rng.integers(0, 4))]
-        asked = [(2, chain[0], chain[2]), (1, one[0], one[1])]
-        block = records.encode()
-        spans: list[tuple[int, int]] = []
+        order = rng.permutation(4)
+        one = int(rng.integers(0, 4))
+        asked = [(2, chain[0], chain[2]), (1, *links[one])]
+        block = b""
+        starts: dict[int, int] = {}
+        for i in order:
+            starts[int(i)] = len(block) + 1  # after the record's newline
+            block += f"\n{links[i][0]} -> {links[i][1]}\n".encode()
+        answers: list[tuple[int, int, int]] = []
         for i in rng.permutation(2):
             hops, start, end = asked[i]
             question = f"\nFollow {hops} links from {start}: ".encode()
-            spans.append((len(block) + len(question), len(block) + len(question) + len(end)))
+            answers.append((hops, len(block) + len(question), len(block) + len(question) + len(end)))
             block += question + f"{end}\n".encode()
         if at + len(block) > length:
-            return ids, answer, used
+            evidence = [Evidence(a - 1, lo, hi, tuple(spans)) for a, (lo, hi) in asks]
+            return ids, answer, used, evidence
         ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
         used[at : at + len(block)] = True
-        for lo, hi in spans:
+        width = len(f"{links[0][0]} -> {links[0][1]}")
+        spans += sorted((at + starts[i], at + starts[i] + width) for i in range(4))
+        for hops, lo, hi in answers:
             answer[at + lo : at + hi] = True
+            if hops == 1:
+                asks.append((at + lo, (at + starts[one], at + starts[one] + width)))
         at += len(block) + int(rng.integers(0, 48))
 
 

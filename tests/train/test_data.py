@@ -224,7 +224,7 @@ def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # t
     question = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
     rng = np.random.default_rng(12)
     for _ in range(20):
-        ids, answers, inserted = recall_row(rng, corpus["train"], 512)
+        ids, answers, inserted, evidence = recall_row(rng, corpus["train"], 512)
         assert ids.shape == answers.shape == inserted.shape == (512,) and not (answers & ~inserted).any()
         text = bytes(int(i) if i < 256 else 0 for i in ids)
         links = {m.group(1): (m.group(2), m.start()) for m in record.finditer(text)}
@@ -241,6 +241,13 @@ def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # t
             assert code == q.group(3) and q.end(3) - first < 128
             expected[q.start(3) : q.end(3)] = True
         assert (answers == expected).all()
+        # Each one-link question's evidence: the row before its answer, its record, every record.
+        one_link = [q for q in asked if q.group(1) == b"1"]
+        spans = tuple((m.start(1), m.end(2)) for m in record.finditer(text))
+        assert len(evidence) == len(one_link)
+        for q, e in zip(one_link, evidence, strict=True):
+            assert e.query == q.start(3) - 1 and e.records == spans and (e.lo, e.hi) in spans
+            assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
     mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, recall=1.0)
     recipe = dataclasses.replace(
         tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=()
