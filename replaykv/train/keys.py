@@ -18,8 +18,8 @@ start at zero: a random head would send the entries a gradient in random directi
 learns; a zero head first fits what the entries already hold (its gradient into them grows with
 it, along what it reads), and starts at the uniform prediction, ln 256 ≈ 5.55.
 
-Records are those of the rows' `Evidence` (`replaykv.train.data`: lookup rows, and multi-hop
-rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the forward's length
+Records are those of the rows' `Evidence` (`replaykv.train.rows`: lookup rows, and multi-hop
+and recall rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the forward's length
 is left out.
 
 Not for: the attention-side losses (:mod:`replaykv.train.evidence`,
