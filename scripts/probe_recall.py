@@ -1,0 +1,86 @@
+"""Does a checkpoint pick a record by its code inside one window?
+
+    python scripts/probe_recall.py replaykv/weights/small --rows 40
+
+Held-out recall rows (`replaykv.train.rows.recall_row`: blocks of four link records `A -> B`,
+then a one-link and a two-link question about them, each block inside the 128-token window;
+seed 777, 512 bytes a row) scored by teacher forcing: per question, whether the answer's four
+bytes are the argmax, and per byte index the share right. The answer's first byte is the
+lookup (chance 1/4: the block's four records' answers); the other three continue a code the
+model has seen, a copy. The first byte's argmax is also classified as the right record's, another
+record's of the row, or no record's answer. One torch thread unless --threads says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from replaykv.cache.views import allocate_view
+from replaykv.model.checkpoint import load_model
+from replaykv.model.spec import ModelSpec
+from replaykv.train.data import Corpus, load_corpus
+from replaykv.train.rows import recall_row
+
+SEED = 777
+LENGTH = 512
+QUESTION = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
+RECORD = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
+
+
+def score(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
+    """Per number of links: questions, whole answers right, per-byte share right and the first
+    byte's argmax by kind (right, another record's answer, none)."""
+    spec = ModelSpec.from_config(model.config)
+    rng = np.random.default_rng(SEED)
+    out: dict[int, dict[str, Any]] = {
+        h: {"n": 0, "right": 0, "bytes": np.zeros(4), "first": {"right": 0, "another record": 0, "none": 0}}
+        for h in (1, 2)
+    }
+    for _ in range(rows):
+        ids = recall_row(rng, heldout, LENGTH)[0]
+        view = allocate_view(spec, 1, LENGTH, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            pred = model(torch.from_numpy(ids)[None], view)[0].argmax(-1).numpy()  # [L]
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        answers = {m.group(2)[0] for m in RECORD.finditer(text)}
+        for q in QUESTION.finditer(text):
+            cell, a = out[int(q.group(1))], q.start(3)
+            hit = pred[a - 1 : a + 3] == ids[a : a + 4]
+            cell["n"] += 1
+            cell["right"] += int(hit.all())
+            cell["bytes"] += hit
+            kind = "right" if hit[0] else ("another record" if int(pred[a - 1]) in answers else "none")
+            cell["first"][kind] += 1
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--rows", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model).float().eval()
+    t0 = time.perf_counter()
+    for hops, cell in score(model, load_corpus()["heldout"], args.rows).items():
+        n = cell["n"]
+        print(
+            f"{hops} link{'s' if hops > 1 else ''}: {cell['right']}/{n} whole answers (chance 1/4); "
+            f"bytes right "
+            + " ".join(f"{b / n:.2f}" for b in cell["bytes"])
+            + "; first byte "
+            + ", ".join(f"{k} {v}" for k, v in cell["first"].items()),
+            flush=True,
+        )
+    print(f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
