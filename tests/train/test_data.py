@@ -156,17 +156,35 @@ def test_repeat_rows_fill_the_row_with_one_string_and_weigh_its_copies(corpus) -
     assert "repeat" not in later.kinds and later.ids.shape[1] == recipe.phases[1].seq_len
 
 
+RECORD = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
+QUESTION = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
+
+
+def assert_rows_weigh_answers(corpus, kind: str, answers: int, text: int) -> None:  # type: ignore[no-untyped-def]
+    """A batch of `kind` rows only: at least `answers` answer bytes a row at the copy weight, all
+    codes, more than `text` bytes of text at weight 1, inserted bytes at 0."""
+    weights = {k: 0.0 for k in ("text", "passkey", "multihop", "chain", "extract", "tool")}
+    mix = Mixture(**weights, **{kind: 1.0})
+    recipe = dataclasses.replace(
+        tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=()
+    )
+    batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
+    assert batch.kinds == (kind, kind)
+    for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
+        at = np.flatnonzero(t == 5.0)
+        assert len(at) >= answers and np.isin(ids[at], COPY_ALPHABET).all()
+        assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > text
+
+
 def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> None:  # type: ignore[no-untyped-def]
-    record = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
-    question = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
     rng = np.random.default_rng(11)
     hops = set()
     for _ in range(20):
         ids, answers, inserted, evidence = lookup_row(rng, corpus["train"], 2048)
         assert ids.shape == answers.shape == inserted.shape == (2048,) and not (answers & ~inserted).any()
         text = bytes(int(i) if i < 256 else 0 for i in ids)
-        links = {m.group(1): (m.group(2), m.end()) for m in record.finditer(text)}
-        asked = list(question.finditer(text))
+        links = {m.group(1): (m.group(2), m.end()) for m in RECORD.finditer(text)}
+        asked = list(QUESTION.finditer(text))
         assert len(links) >= 8 and len(asked) >= 8
         expected = np.zeros(2048, dtype=bool)
         for q in asked:
@@ -182,7 +200,7 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
         one_link = [q for q in asked if q.group(1) == b"1"]
         assert len(evidence) == len(one_link) and one_link
         # ... and every record of the row, its rivals in the contrastive form.
-        spans = tuple((m.start(1), m.end(2)) for m in record.finditer(text))
+        spans = tuple((m.start(1), m.end(2)) for m in RECORD.finditer(text))
         for q, e in zip(one_link, evidence, strict=True):
             assert e.query == q.start(3) - 1 and e.hi <= q.start()
             assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
@@ -195,8 +213,8 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
     for _ in range(20):
         ids, answers, inserted, _ = lookup_row(rng, corpus["train"], 1024, segment=256)
         text = bytes(int(i) if i < 256 else 0 for i in ids)
-        links = {m.group(1): (m.group(2), m.start(), m.end()) for m in record.finditer(text)}
-        asked = list(question.finditer(text))
+        links = {m.group(1): (m.group(2), m.start(), m.end()) for m in RECORD.finditer(text)}
+        asked = list(QUESTION.finditer(text))
         assert len(asked) >= 4 and int(answers.sum()) == 4 * len(asked)
         for q in asked:
             code, seg = q.group(2), q.start() // 256
@@ -207,28 +225,17 @@ def test_lookup_rows_ask_about_links_recorded_before_the_questions(corpus) -> No
     with pytest.raises(ValueError, match="lookup_segment"):
         Mixture(lookup_segment=-1)
 
-    mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, lookup=1.0)
-    recipe = dataclasses.replace(
-        tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=()
-    )
-    batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
-    assert batch.kinds == ("lookup", "lookup")
-    for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
-        at = np.flatnonzero(t == 5.0)
-        assert len(at) >= 8 and np.isin(ids[at], COPY_ALPHABET).all()
-        assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > 256
+    assert_rows_weigh_answers(corpus, "lookup", 8, 256)
 
 
 def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # type: ignore[no-untyped-def]
-    record = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
-    question = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
     rng = np.random.default_rng(12)
     for _ in range(20):
         ids, answers, inserted, evidence = recall_row(rng, corpus["train"], 512)
         assert ids.shape == answers.shape == inserted.shape == (512,) and not (answers & ~inserted).any()
         text = bytes(int(i) if i < 256 else 0 for i in ids)
-        links = {m.group(1): (m.group(2), m.start()) for m in record.finditer(text)}
-        asked = list(question.finditer(text))
+        links = {m.group(1): (m.group(2), m.start()) for m in RECORD.finditer(text)}
+        asked = list(QUESTION.finditer(text))
         assert len(links) == 2 * len(asked) >= 6  # four records and two questions a block
         assert sorted(q.group(1) for q in asked) == sorted([b"1", b"2"] * (len(asked) // 2))
         expected = np.zeros(512, dtype=bool)
@@ -243,21 +250,12 @@ def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # t
         assert (answers == expected).all()
         # Each one-link question's evidence: the row before its answer, its record, every record.
         one_link = [q for q in asked if q.group(1) == b"1"]
-        spans = tuple((m.start(1), m.end(2)) for m in record.finditer(text))
+        spans = tuple((m.start(1), m.end(2)) for m in RECORD.finditer(text))
         assert len(evidence) == len(one_link)
         for q, e in zip(one_link, evidence, strict=True):
             assert e.query == q.start(3) - 1 and e.records == spans and (e.lo, e.hi) in spans
             assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
-    mix = Mixture(text=0.0, passkey=0.0, multihop=0.0, chain=0.0, extract=0.0, tool=0.0, recall=1.0)
-    recipe = dataclasses.replace(
-        tiny(), phases=(Phase("p", 4, 512, 2, mix, copy_weight=5.0),), warmup=1, stages=()
-    )
-    batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
-    assert batch.kinds == ("recall", "recall")
-    for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
-        at = np.flatnonzero(t == 5.0)
-        assert len(at) >= 24 and np.isin(ids[at], COPY_ALPHABET).all()
-        assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > 0
+    assert_rows_weigh_answers(corpus, "recall", 24, 64)
 
 
 def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]
