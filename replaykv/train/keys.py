@@ -19,8 +19,8 @@ learns; a zero head first fits what the entries already hold (its gradient into 
 it, along what it reads), and starts at the uniform prediction, ln 256 ≈ 5.55.
 
 Records are those of the rows' `Evidence` (`replaykv.train.rows`: lookup rows, and multi-hop
-and recall rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the forward's length
-is left out.
+and recall rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the
+forward's length is left out.
 
 Not for: the attention-side losses (:mod:`replaykv.train.evidence`,
 :mod:`replaykv.train.distill`).

@@ -9,7 +9,7 @@ Not for: sampling a batch (see :class:`replaykv.train.data.MixtureSampler`) or t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -169,7 +169,7 @@ def recall_row(
     used = np.zeros(length, dtype=bool)
     codes: set[str] = set()
     spans: list[tuple[int, int]] = []  # every record's `A -> B` in the row
-    asks: list[tuple[int, tuple[int, int]]] = []  # a one-link question's answer start, its record
+    evidence: list[Evidence] = []  # filled once every record of the row is known
     at = int(rng.integers(0, 48))
     while True:
         chain = [link_code(rng, codes) for _ in range(3)]
@@ -177,29 +177,30 @@ def recall_row(
         links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(2)]
         order = rng.permutation(4)
         one = int(rng.integers(0, 4))
-        asked = [(2, chain[0], chain[2]), (1, *links[one])]
         block = b""
-        starts: dict[int, int] = {}
+        records: list[tuple[int, int]] = []  # [lo, hi) of `A -> B` in the block, in block order
         for i in order:
-            starts[int(i)] = len(block) + 1  # after the record's newline
-            block += f"\n{links[i][0]} -> {links[i][1]}\n".encode()
-        answers: list[tuple[int, int, int]] = []
+            record = f"{links[i][0]} -> {links[i][1]}".encode()
+            records.append((len(block) + 1, len(block) + 1 + len(record)))
+            block += b"\n" + record + b"\n"
+        asked = [(2, chain[0], chain[2]), (1, *links[one])]
+        answers: list[tuple[int, int]] = []  # [lo, hi) of each answer in the block
+        one_answer = 0  # where the one-link question's answer starts
         for i in rng.permutation(2):
             hops, start, end = asked[i]
-            question = f"\nFollow {hops} links from {start}: ".encode()
-            answers.append((hops, len(block) + len(question), len(block) + len(question) + len(end)))
-            block += question + f"{end}\n".encode()
+            block += f"\nFollow {hops} links from {start}: ".encode()
+            answers.append((len(block), len(block) + len(end)))
+            one_answer = len(block) if hops == 1 else one_answer
+            block += f"{end}\n".encode()
         if at + len(block) > length:
-            evidence = [Evidence(a - 1, lo, hi, tuple(spans)) for a, (lo, hi) in asks]
-            return ids, answer, used, evidence
+            return ids, answer, used, [replace(e, records=tuple(spans)) for e in evidence]
         ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
         used[at : at + len(block)] = True
-        width = len(f"{links[0][0]} -> {links[0][1]}")
-        spans += sorted((at + starts[i], at + starts[i] + width) for i in range(4))
-        for hops, lo, hi in answers:
+        spans += [(at + lo, at + hi) for lo, hi in sorted(records)]
+        for lo, hi in answers:
             answer[at + lo : at + hi] = True
-            if hops == 1:
-                asks.append((at + lo, (at + starts[one], at + starts[one] + width)))
+        lo, hi = records[int(np.flatnonzero(order == one)[0])]
+        evidence.append(Evidence(at + one_answer - 1, at + lo, at + hi))
         at += len(block) + int(rng.integers(0, 48))
 
 
