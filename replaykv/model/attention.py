@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replaykv.model import fused
+from replaykv.model import fused, native
 from replaykv.model.cache_view import LayerCacheView
 from replaykv.model.compressor import (
     Compressor,
@@ -158,6 +158,8 @@ class Indexer(nn.Module):
         limit = causal_entry_limit(step.positions, self.ratio)  # [B, S]
         keys_f = keys.float()
         out = torch.full((b, s, k), -1, dtype=torch.long, device=x.device)
+        if native.usable(q):  # scores, mask and top-k in one native pass, no [Q, N] scores
+            return native.index_topk(q, w, keys_f, limit, k)
         for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):
             if n_vis > 0:
                 scores = sliced_scores(self._scores, q[:, i0:i1], w[:, i0:i1], keys_f[:, :n_vis])  # [B, Q, N]

@@ -1,0 +1,210 @@
+// The lightning indexer's scoring and top-k for a block of queries in one pass, on the CPU.
+//
+// score(i, j) = sum_h w[i, h] * (relu(q[i, h] . keys[j]) * post_scale), each query against the
+// entries j < lim[i]; the best k per query, ranked by score descending and then index ascending
+// (NaN above every number), -1 where fewer are visible. No [Q, H, N] or [Q, N] tensor is built:
+// the keys are laid out in transposed tiles once, a tile is scored by every query of a unit, and each query keeps
+// its best k in a small buffer that a new entry enters only when it ranks above the buffer's
+// worst.
+//
+// Rounding: every score is computed by the same loop whatever the block, the query's neighbours
+// or the number of entries, so a query's selection does not depend on how the sequence was cut
+// into calls (decode rows equal their prefill rows). The dot over channels is one chain of
+// multiply-adds in channel order; it may round differently from a BLAS product of the same
+// operands (the torch path in attention.py), by an ulp or so of the dot.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 64;  // entries scored together (four 16-float vectors)
+constexpr int64_t kChunk = 32;  // queries that share each tile of keys while it is in cache
+
+constexpr int64_t kLanes = 16;  // floats in one vector below
+static_assert(kTile == 4 * kLanes, "head_dots keeps four key vectors in registers");
+typedef float V __attribute__((vector_size(kLanes * sizeof(float)), aligned(64)));
+
+// dot[hh][t] = q[hh] . tile[:, t] for HN heads (q [HN, d]): one chain of multiply-adds per head
+// and entry, over the channels in order.
+template <int HN>
+inline void head_dots(const float* q, const float* tile, int64_t d, float (*dot)[kTile]) {
+  constexpr int kV = kTile / kLanes;
+  V acc[HN][kV] = {};  // 4·HN independent chains, in registers
+  for (int64_t c = 0; c < d; ++c) {
+    V kv[kV];
+    for (int v = 0; v < kV; ++v) kv[v] = *reinterpret_cast<const V*>(tile + c * kTile + v * kLanes);
+    // Keep the key vectors in registers: each is read by HN multiply-adds, which the compiler
+    // would otherwise give a memory operand each (a load apiece).
+    asm("" : "+v"(kv[0]), "+v"(kv[1]), "+v"(kv[2]), "+v"(kv[3]));
+    for (int hh = 0; hh < HN; ++hh) {
+      const float qc = q[hh * d + c];
+      for (int v = 0; v < kV; ++v) acc[hh][v] += qc * kv[v];
+    }
+  }
+  for (int hh = 0; hh < HN; ++hh)
+    for (int v = 0; v < kV; ++v) *reinterpret_cast<V*>(dot[hh] + v * kLanes) = acc[hh][v];
+}
+
+// score[t] = sum_h w[h] * (relu(q[h] . tile[:, t]) * post_scale) for the tile's kTile entries.
+// Heads go four at a time, each head's dot a chain of multiply-adds over the channels in
+// order, sixteen entries a vector: the accumulators stay in registers.
+inline void score_tile(const float* q, const float* w, const float* tile, int64_t h, int64_t d,
+                       float post_scale, float* score) {
+  for (int64_t t = 0; t < kTile; ++t) score[t] = 0.0f;
+  alignas(64) float dot[4][kTile];
+  for (int64_t h0 = 0; h0 < h; h0 += 4) {
+    const int64_t hn = std::min<int64_t>(4, h - h0);
+    switch (hn) {
+      case 4: head_dots<4>(q + h0 * d, tile, d, dot); break;
+      case 3: head_dots<3>(q + h0 * d, tile, d, dot); break;
+      case 2: head_dots<2>(q + h0 * d, tile, d, dot); break;
+      default: head_dots<1>(q + h0 * d, tile, d, dot); break;
+    }
+    for (int64_t hh = 0; hh < hn; ++hh) {
+      const float wh = w[h0 + hh];
+      for (int64_t t = 0; t < kTile; ++t) {
+        const float x = dot[hh][t];
+        const float relu = x < 0.0f ? 0.0f : x;  // NaN stays NaN, as torch's relu
+        score[t] += wh * (relu * post_scale);
+      }
+    }
+  }
+}
+
+// a ranks above b: larger score first, NaN above every number, equal scores by lower index.
+inline bool ranks_above(float a, int64_t ia, float b, int64_t ib) {
+  const bool na = std::isnan(a), nb = std::isnan(b);
+  if (na || nb) return (na && nb) ? ia < ib : na;
+  if (a != b) return a > b;
+  return ia < ib;
+}
+
+struct Entry {
+  float score;
+  int64_t index;
+};
+
+// The heap order: an entry "less" than another ranks above it, so the heap's front is the entry
+// that ranks last among those kept (the one a better newcomer replaces).
+inline bool heap_less(const Entry& a, const Entry& b) { return ranks_above(a.score, a.index, b.score, b.index); }
+
+struct Best {  // one query's best entries so far, a heap with the last-ranked in front
+  Entry* heap;
+  int64_t count = 0;
+
+  float worst() const { return heap[0].score; }
+
+  // Entries arrive in index order, so a newcomer ranks above the front only by its score.
+  void offer(float s, int64_t j, int64_t k) {
+    if (count < k) {
+      heap[count++] = {s, j};
+      std::push_heap(heap, heap + count, heap_less);
+      return;
+    }
+    const float ws = heap[0].score;
+    if (s <= ws || std::isnan(ws)) return;  // only a larger score or a NaN gets in (a NaN front: all kept are NaN)
+    std::pop_heap(heap, heap + count, heap_less);
+    heap[count - 1] = {s, j};
+    std::push_heap(heap, heap + count, heap_less);
+  }
+};
+
+// Queries [i0, i1) of batch row b.
+void select_rows(const float* q, const float* w, const float* tiles, const int64_t* lim, int64_t* out,
+                 int64_t n, int64_t h, int64_t d, int64_t k, float post_scale, int64_t i0, int64_t i1) {
+  const int64_t rows = i1 - i0;
+  std::vector<Entry> kept(rows * k);
+  std::vector<Best> best(rows);
+  int64_t reach = 0;  // entries any query of the range sees
+  for (int64_t r = 0; r < rows; ++r) {
+    best[r].heap = kept.data() + r * k;
+    reach = std::max(reach, std::min(lim[i0 + r], n));
+  }
+  alignas(64) float score[kTile];
+  for (int64_t j0 = 0; j0 < reach; j0 += kTile) {
+    const int64_t width = std::min(kTile, reach - j0);
+    const float* tile = tiles + j0 * d;  // [d, kTile], zero past the last entry
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      const int64_t visible = std::min(lim[i], n) - j0;
+      if (visible <= 0) continue;
+      score_tile(q + i * h * d, w + i * h, tile, h, d, post_scale, score);
+      const int64_t m = std::min(width, visible);
+      Best& b = best[r];
+      if (b.count == k && !std::isnan(b.worst())) {  // most tiles: nothing gets in
+        const float ws = b.worst();
+        int any = 0;
+        for (int64_t t = 0; t < m; ++t) any |= !(score[t] <= ws);
+        if (!any) continue;
+      }
+      for (int64_t t = 0; t < m; ++t) b.offer(score[t], j0 + t, k);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    Best& b = best[r];
+    std::sort(b.heap, b.heap + b.count, heap_less);  // best first
+    int64_t* o = out + (i0 + r) * k;
+    for (int64_t m = 0; m < b.count; ++m) o[m] = b.heap[m].index;
+  }
+}
+
+}  // namespace
+
+// q [B, Q, H, D], w [B, Q, H], keys [B, N, D] (float32), lim [B, Q] (int64: entries
+// visible to each query) -> [B, Q, k] int64 entry ids, -1 where fewer than k are visible.
+torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, torch::Tensor lim,
+                         int64_t k, double post_scale) {
+  TORCH_CHECK(q.dim() == 4 && w.dim() == 3 && keys.dim() == 3 && lim.dim() == 2, "index_topk: bad ranks");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat &&
+                  keys.scalar_type() == torch::kFloat && lim.scalar_type() == torch::kLong,
+              "index_topk: q, w and keys are float32, lim int64");
+  TORCH_CHECK(q.device().is_cpu(), "index_topk runs on the CPU");
+  const int64_t b = q.size(0), nq = q.size(1), h = q.size(2), d = q.size(3), n = keys.size(1);
+  TORCH_CHECK(w.size(0) == b && w.size(1) == nq && w.size(2) == h, "index_topk: w does not match q");
+  TORCH_CHECK(keys.size(0) == b && keys.size(2) == d, "index_topk: keys do not match q");
+  TORCH_CHECK(lim.size(0) == b && lim.size(1) == nq, "index_topk: lim does not match q");
+  TORCH_CHECK(k >= 0, "index_topk: k < 0");
+  q = q.contiguous();
+  w = w.contiguous();
+  keys = keys.contiguous();
+  lim = lim.contiguous();
+  auto out = torch::full({b, nq, k}, -1, torch::kLong);
+  if (k == 0 || nq == 0 || n == 0) return out;
+  const float* qp = q.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  // The keys in tiles of kTile entries, each tile transposed ([B, tiles, D, kTile], zero past the
+  // last entry): every tile one contiguous block that the vector loop reads in order.
+  const int64_t n_tiles = (n + kTile - 1) / kTile;
+  auto tiled = torch::zeros({b, n_tiles * kTile, d}, keys.options());
+  tiled.narrow(1, 0, n).copy_(keys);
+  tiled = tiled.view({b, n_tiles, kTile, d}).transpose(2, 3).contiguous();
+  const float* kp = tiled.data_ptr<float>();
+  const int64_t* lp = lim.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const float ps = static_cast<float>(post_scale);
+  // Work in units of up to kChunk queries of one batch row, each unit against the entries its
+  // queries see. Later queries see more entries, so units are dealt from both ends of each row
+  // (0, last, 1, last - 1, ...) and a thread's contiguous share holds early and late ones alike.
+  // A query's result does not depend on the unit it falls in.
+  const int64_t per_row = (nq + kChunk - 1) / kChunk;
+  at::parallel_for(0, b * per_row, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t row = u / per_row, v = u % per_row;
+      const int64_t c = (v % 2 == 0) ? v / 2 : per_row - 1 - v / 2;
+      const int64_t i0 = c * kChunk, i1 = std::min(nq, i0 + kChunk);
+      select_rows(qp + row * nq * h * d, wp + row * nq * h, kp + row * n_tiles * kTile * d, lp + row * nq, op + row * nq * k,
+                  n, h, d, k, ps, i0, i1);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("index_topk", &index_topk, "the lightning indexer's fused scoring and top-k (CPU)");
+}

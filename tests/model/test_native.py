@@ -1,0 +1,133 @@
+"""The native index kernel (replaykv.model.native) against a reference written here from its
+contract: scores sum_h w_h · relu(q_h · k_j) · post_scale for the entries j < lim, the best k by
+score then index (NaN above every number), -1 past the visible ones; and its fallback."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from replaykv.model import native
+from replaykv.model.attention import Indexer, sliced_scores
+from replaykv.model.compressor import topk_lowest_index
+from replaykv.model.presets import v4_tiny
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernel not buildable here")
+
+
+def reference(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lim: torch.Tensor, k: int, scale: float
+) -> torch.Tensor:
+    """Plain loops and Python's sort: no torch top-k, no BLAS ordering assumptions."""
+    b, nq, h, _ = q.shape
+    out = torch.full((b, nq, k), -1, dtype=torch.long)
+    for r in range(b):
+        for i in range(nq):
+            visible = max(0, min(int(lim[r, i]), keys.shape[1]))
+            ranked = []
+            for j in range(visible):
+                s = 0.0
+                for hh in range(h):
+                    dot = float((q[r, i, hh].double() * keys[r, j].double()).sum())
+                    s += float(w[r, i, hh]) * (max(dot, 0.0) if not math.isnan(dot) else dot) * scale
+                ranked.append((0 if math.isnan(s) else 1, 0.0 if math.isnan(s) else -s, j))
+            best = [j for *_, j in sorted(ranked)[:k]]
+            out[r, i, : len(best)] = torch.tensor(best, dtype=torch.long)
+    return out
+
+
+def integer_case(seed: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Small integers and power-of-two weights: every score is exact in float32 whatever the
+    order of the sums, and ties (zeros above all) are frequent."""
+    g = torch.Generator().manual_seed(seed)
+    b, nq, h = int(torch.randint(1, 3, (), generator=g)), int(torch.randint(1, 40, (), generator=g)), 4
+    n = int(torch.randint(1, 200, (), generator=g))
+    q = torch.randint(-3, 4, (b, nq, h, d), generator=g).float()
+    keys = torch.randint(-2, 3, (b, n, d), generator=g).float()
+    sign = torch.where(torch.rand(b, nq, h, generator=g) < 0.5, -1.0, 1.0)
+    w = 2.0 ** torch.randint(-2, 3, (b, nq, h), generator=g).float() * sign
+    lim = torch.randint(-2, n + 5, (b, nq), generator=g)
+    return q, w, keys, lim
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_kernel_selects_what_the_reference_selects(seed: int) -> None:
+    q, w, keys, lim = integer_case(seed, d=(16, 32, 48)[seed % 3])
+    k = (1, 7, 64, 300)[seed % 4]  # 300: more than any row sees
+    scale = (1.0, 0.5)[seed % 2]
+    got = native.index_topk(q, w, keys, lim, k, scale)
+    assert torch.equal(got, reference(q, w, keys, lim, k, scale))
+
+
+def test_nan_ranks_first_and_ties_go_to_the_lower_index() -> None:
+    q = torch.ones(1, 1, 1, 16)
+    keys = torch.ones(1, 10, 16)
+    keys[0, 6, 0] = float("nan")
+    keys[0, 3, 0] = float("nan")
+    keys[0, 8] = 2.0  # the best number
+    w = torch.ones(1, 1, 1)
+    got = native.index_topk(q, w, keys, torch.tensor([[10]]), 5)
+    assert got.tolist() == [[[3, 6, 8, 0, 1]]]
+
+
+def test_a_query_selects_the_same_in_any_call() -> None:
+    """Prefill, chunks and decode call the kernel with different sets of queries: a query's
+    selection, on random (inexact) floats, does not depend on which others came with it."""
+    g = torch.Generator().manual_seed(5)
+    q, w = torch.randn(2, 100, 4, 32, generator=g), torch.randn(2, 100, 4, generator=g)
+    keys = torch.randn(2, 1000, 32, generator=g)
+    lim = torch.randint(0, 1001, (2, 100), generator=g)
+    whole = native.index_topk(q, w, keys, lim, 64)
+    for lo, hi in ((0, 1), (37, 38), (3, 70), (99, 100)):
+        part = native.index_topk(
+            q[:, lo:hi], w[:, lo:hi], keys[:, : int(lim[:, lo:hi].max())], lim[:, lo:hi], 64
+        )
+        assert torch.equal(part, whole[:, lo:hi])
+
+
+def test_the_kernel_and_the_torch_path_select_alike_on_floats() -> None:
+    """On random floats the two paths' dot products may round an ulp apart, so they agree on
+    every pick but near-ties: V4's indexer scoring (sliced scores, the causal mask, top-k with
+    ties to the lower index) against the kernel."""
+    g = torch.Generator().manual_seed(9)
+    ix = Indexer(v4_tiny(), ratio=4)
+    q, w = torch.randn(1, 64, 4, 32, generator=g), torch.randn(1, 64, 4, generator=g)
+    keys = torch.randn(1, 3000, 32, generator=g)
+    lim = torch.randint(1, 3001, (1, 64), generator=g)
+    scores = sliced_scores(ix._scores, q, w, keys).masked_fill_(
+        torch.arange(3000) >= lim[..., None], float("-inf")
+    )
+    slow = topk_lowest_index(scores, 64)
+    slow = slow.masked_fill(slow >= lim[..., None], -1)
+    fast = native.index_topk(q, w, keys, lim, 64)
+    assert (fast == slow).float().mean().item() > 0.999
+
+
+def test_switches_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = torch.zeros(1)
+    assert native.usable(t)
+    with native.disabled():
+        assert not native.usable(t)
+        with pytest.raises(RuntimeError, match="not usable"):
+            native.index_topk(
+                torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1), torch.zeros(1, 1, 16), torch.ones(1, 1), 1
+            )
+    assert native.usable(t) and not native.usable(t.double())
+    monkeypatch.setenv("REPLAYKV_NATIVE", "0")
+    assert not native.usable(t)
+
+
+def test_a_failed_build_falls_back_and_says_why(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    broken = tmp_path / "kernels" / "index_topk.cpp"
+    broken.parent.mkdir()
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "_SOURCE", broken)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failed", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    with caplog.at_level(logging.WARNING, logger="replaykv.model.native"):
+        assert not native.usable(torch.zeros(1))
+    assert "native index kernel unavailable" in caplog.text and "error" in caplog.text
