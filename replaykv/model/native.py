@@ -1,16 +1,17 @@
 """Native CPU kernels of the model, compiled on first use by torch's C++ extension loader.
 
-`index_topk` is the lightning indexer's scoring and top-k for a block of queries in one pass
-(`kernels/index_topk.cpp`): no [Q, H, N] products, no [Q, N] score tensor, no separate top-k. It
-is built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`, under a minute with
-the system's C++ compiler) for the CPU it runs on, and used for every CPU float32 indexer call, so
-prefill, chunks and decode select with the same rounding. Where it cannot be built (no compiler,
-no headers) the indexers keep their torch path and the log says why, once. `REPLAYKV_NATIVE=0`
-turns it off for a process; `disabled()` for a block of code (benchmarks compare both paths in
-one process).
+`index_topk` is DeepSeek-V4's lightning indexer (`attention.Indexer`): scoring, causal mask and
+top-k of every query in one pass (`kernels/index_topk.cpp`): no [Q, H, N] products, no [Q, N]
+score tensor, no separate top-k. It is built once per machine (under torch's extension cache,
+`TORCH_EXTENSIONS_DIR`; under a minute with the system's C++ compiler) for the CPU it runs on,
+and used for every CPU float32 call, so prefill, chunks and decode select with the same rounding.
+Where it cannot be built (no compiler, no headers) the indexer keeps its torch path and the log
+says why, once. `REPLAYKV_NATIVE=0` turns it off for a process; `disabled()` for a block of code
+(benchmarks compare both paths in one process).
 
-Not for: CUDA tensors (the torch path runs there), or anything autograd must differentiate (the
-kernel returns entry ids only).
+Not for: CUDA tensors (the torch path runs there); anything autograd must differentiate (the
+kernel returns entry ids only); V4.1's indexers, whose two-level candidate selection reads every
+query's full scores (they keep their torch path).
 """
 
 from __future__ import annotations
