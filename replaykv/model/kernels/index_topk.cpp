@@ -27,14 +27,15 @@ constexpr int64_t kTile = 64;  // entries scored together (four 16-float vectors
 constexpr int64_t kChunk = 32;  // queries that share each tile of keys while it is in cache
 
 constexpr int64_t kLanes = 16;  // floats in one vector below
-static_assert(kTile == 4 * kLanes, "head_dots keeps four key vectors in registers");
+static_assert(kTile == 4 * kLanes, "add_heads keeps four key vectors in registers");
 typedef float V __attribute__((vector_size(kLanes * sizeof(float)), aligned(64)));
 
-// dot[hh][t] = q[hh] . tile[:, t] for HN heads (q [HN, d]): one chain of multiply-adds per head
-// and entry, over the channels in order.
+constexpr int kV = kTile / kLanes;
+
+// score[v] += w[hh] * (relu(q[hh] . tile[:, t]) * post_scale) for HN heads in order (q [HN, d]),
+// each head's dot one chain of multiply-adds per entry over the channels in order.
 template <int HN>
-inline void head_dots(const float* q, const float* tile, int64_t d, float (*dot)[kTile]) {
-  constexpr int kV = kTile / kLanes;
+inline void add_heads(const float* q, const float* w, const float* tile, int64_t d, float post_scale, V (&score)[kV]) {
   V acc[HN][kV] = {};  // 4·HN independent chains, in registers
   for (int64_t c = 0; c < d; ++c) {
     V kv[kV];
@@ -47,34 +48,28 @@ inline void head_dots(const float* q, const float* tile, int64_t d, float (*dot)
       for (int v = 0; v < kV; ++v) acc[hh][v] += qc * kv[v];
     }
   }
+  const V zero = {};
   for (int hh = 0; hh < HN; ++hh)
-    for (int v = 0; v < kV; ++v) *reinterpret_cast<V*>(dot[hh] + v * kLanes) = acc[hh][v];
+    for (int v = 0; v < kV; ++v) {
+      const V relu = acc[hh][v] < zero ? zero : acc[hh][v];  // NaN stays NaN, as torch's relu
+      score[v] += w[hh] * (relu * post_scale);
+    }
 }
 
-// score[t] = sum_h w[h] * (relu(q[h] . tile[:, t]) * post_scale) for the tile's kTile entries.
-// Heads go four at a time, each head's dot a chain of multiply-adds over the channels in
-// order, sixteen entries a vector: the accumulators stay in registers.
+// score[t] = sum_h w[h] * (relu(q[h] . tile[:, t]) * post_scale) for the tile's kTile entries,
+// the heads summed in order, four at a time, sixteen entries a vector.
 inline void score_tile(const float* q, const float* w, const float* tile, int64_t h, int64_t d,
                        float post_scale, float* score) {
-  for (int64_t t = 0; t < kTile; ++t) score[t] = 0.0f;
-  alignas(64) float dot[4][kTile];
+  V s[kV] = {};
   for (int64_t h0 = 0; h0 < h; h0 += 4) {
-    const int64_t hn = std::min<int64_t>(4, h - h0);
-    switch (hn) {
-      case 4: head_dots<4>(q + h0 * d, tile, d, dot); break;
-      case 3: head_dots<3>(q + h0 * d, tile, d, dot); break;
-      case 2: head_dots<2>(q + h0 * d, tile, d, dot); break;
-      default: head_dots<1>(q + h0 * d, tile, d, dot); break;
-    }
-    for (int64_t hh = 0; hh < hn; ++hh) {
-      const float wh = w[h0 + hh];
-      for (int64_t t = 0; t < kTile; ++t) {
-        const float x = dot[hh][t];
-        const float relu = x < 0.0f ? 0.0f : x;  // NaN stays NaN, as torch's relu
-        score[t] += wh * (relu * post_scale);
-      }
+    switch (std::min<int64_t>(4, h - h0)) {
+      case 4: add_heads<4>(q + h0 * d, w + h0, tile, d, post_scale, s); break;
+      case 3: add_heads<3>(q + h0 * d, w + h0, tile, d, post_scale, s); break;
+      case 2: add_heads<2>(q + h0 * d, w + h0, tile, d, post_scale, s); break;
+      default: add_heads<1>(q + h0 * d, w + h0, tile, d, post_scale, s); break;
     }
   }
+  for (int v = 0; v < kV; ++v) *reinterpret_cast<V*>(score + v * kLanes) = s[v];
 }
 
 // a ranks above b: larger score first, NaN above every number, equal scores by lower index.
