@@ -157,7 +157,7 @@ class Indexer(nn.Module):
         w = self.scorer.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
         limit = causal_entry_limit(step.positions, self.ratio)  # [B, S]
         keys_f = keys.float()
-        if native.usable(q):  # scores, mask and top-k in one native pass, no [Q, N] scores
+        if native.usable(q, w, keys_f):  # scores, mask and top-k in one native pass, no [Q, N] scores
             return native.index_topk(q, w, keys_f[:, : step.visible_entries(self.ratio, s - 1)], limit, k)
         out = torch.full((b, s, k), -1, dtype=torch.long, device=x.device)
         for i0, i1, n_vis in step.entry_blocks(self.ratio, b * self.n_heads, _BLOCK_BUDGET):

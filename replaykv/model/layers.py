@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replaykv.model import native
 from replaykv.model.config import DeepseekV4Config
 
 # BLAS computes fewer than this many rows with other kernels than many rows, which round
@@ -221,14 +222,20 @@ class _Sinkhorn(torch.autograd.Function):
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of the streams: [B, S, n, D] x [B, S, n] -> [B, S, D]."""
+    """Weighted sum of the streams: [B, S, n, D] x [B, S, n] -> [B, S, D] (natively in one pass
+    where `native.usable`)."""
+    if native.usable(streams, pre):
+        return native.hc_collapse(streams, pre)
     return cast((pre.unsqueeze(-1) * streams).sum(dim=2), streams.dtype)
 
 
 def hc_expand(
     streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """new_k = post_k * out + sum_j comb[j, k] * stream_j  -> [B, S, n, D]."""
+    """new_k = post_k * out + sum_j comb[j, k] * stream_j  -> [B, S, n, D] (natively in one pass
+    where `native.usable`)."""
+    if native.usable(streams, out, post, comb):
+        return native.hc_expand(streams, out, post, comb)
     dtype = streams.dtype
     return cast(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
         cast(comb, dtype).transpose(-1, -2), streams

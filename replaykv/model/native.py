@@ -2,17 +2,21 @@
 
 `index_topk` is DeepSeek-V4's lightning indexer (`attention.Indexer`): scoring, causal mask and
 top-k of every query in one pass (`kernels/index_topk.cpp`): no [Q, H, N] products, no [Q, N]
-score tensor, no separate top-k. It is built once per machine (under torch's extension cache,
-`TORCH_EXTENSIONS_DIR`; under a minute with the system's C++ compiler) for the CPU it runs on,
-and used for every CPU float32 call, so prefill, chunks and decode select with the same rounding.
-Where it cannot be built (no compiler, no headers) the indexer keeps its torch path and the log
-says why, once. `REPLAYKV_NATIVE=0` turns it off for a process; `disabled()` for a block of code
-(benchmarks compare both paths in one process).
+score tensor, no separate top-k. `hc_collapse` and `hc_expand` are the mHC sites' stream sums
+(`kernels/mhc.cpp`), one pass over a token's streams instead of torch's products, batched
+[n, n] x [n, D] matrix product and sums over [T, n, D] tensors.
 
-Not for: CUDA tensors (the torch path runs there); anything autograd must differentiate (the
-kernel returns entry ids only); V4.1's indexers, whose two-level candidate selection reads every
-query's full scores (they keep their torch path).
-"""
+They are built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`; under a
+minute with the system's C++ compiler) for the CPU they run on, and used for every CPU float32
+call that autograd does not record, so prefill, chunks and decode compute a row with the same
+rounding (which may differ from torch's by an ulp or so). Where they cannot be built (no
+compiler, no headers) the model keeps its torch paths and the log says why, once.
+`REPLAYKV_NATIVE=0` turns them off for a process; `disabled()` for a block of code (benchmarks
+compare both paths in one process).
+
+Not for: CUDA tensors (the torch paths run there); anything autograd differentiates (training
+keeps the torch paths); V4.1's indexers, whose two-level candidate selection reads every query's
+full scores (they keep their torch path)."""
 
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("kernels") / "index_topk.cpp"
+_KERNELS = Path(__file__).with_name("kernels")
+_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -55,8 +60,8 @@ def _load() -> Any:
             from torch.utils import cpp_extension
 
             _module = cpp_extension.load(
-                name=f"replaykv_index_topk_{_cpu_tag()}",
-                sources=[str(_SOURCE)],
+                name=f"replaykv_native_{_cpu_tag()}",
+                sources=[str(_KERNELS / name) for name in _SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in headers
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
@@ -66,13 +71,13 @@ def _load() -> Any:
             _failed = next(
                 (line.strip() for line in lines if "error:" in line), lines[-1] if lines else repr(exc)
             )
-            log.warning("native index kernel unavailable (%s); the indexers use their torch path", _failed)
+            log.warning("native kernels unavailable (%s); the model uses its torch paths", _failed)
         return _module
 
 
 def enabled() -> bool:
-    """Whether CPU indexer calls of this thread go through the native kernel (it loads on the
-    first call that asks)."""
+    """Whether this thread's CPU calls go through the native kernels (they load on the first
+    call that asks)."""
     if getattr(_off, "depth", 0) or os.environ.get("REPLAYKV_NATIVE", "1") == "0":
         return False
     return _load() is not None
@@ -88,9 +93,21 @@ def disabled() -> Iterator[None]:
         _off.depth -= 1
 
 
-def usable(t: torch.Tensor) -> bool:
-    """Whether `index_topk` runs for operands like `t` (CPU float32, not turned off, buildable)."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and enabled()
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether a native kernel runs for these operands: CPU float32 tensors that autograd does
+    not record, kernels not turned off and buildable."""
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return (
+        not recorded
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and enabled()
+    )
+
+
+def _unusable() -> RuntimeError:
+    return RuntimeError(
+        f"native kernels not usable here: {_failed or 'turned off, or not CPU float32 without autograd'}"
+    )
 
 
 def index_topk(
@@ -99,9 +116,30 @@ def index_topk(
     """sum_h w_h · relu(q_h · k_j) · post_scale per query and visible entry j < lim, the best `k`
     ranked by score (descending) then index: q [B, Q, H, D], w [B, Q, H], keys [B, N, D] float32,
     lim [B, Q] -> [B, Q, k] long, -1 where fewer than k are visible. Only where `usable(q)`."""
-    if not usable(q):
-        raise RuntimeError(
-            f"native index kernel not usable here: {_failed or 'turned off or not CPU float32'}"
-        )
+    if not usable(q, w, keys):
+        raise _unusable()
     fn: Callable[..., torch.Tensor] = _module.index_topk
-    return fn(q.detach(), w.detach(), keys.detach(), lim.to(torch.long), k, post_scale)
+    return fn(q, w, keys, lim.to(torch.long), k, post_scale)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_k pre[..., k] * streams[..., k, :]: [..., n, D] x [..., n] -> [..., D]."""
+    if not usable(streams, pre):
+        raise _unusable()
+    n, d = streams.shape[-2:]
+    out: torch.Tensor = _module.hc_collapse(streams.reshape(-1, n, d), pre.reshape(-1, n))
+    return out.view(*streams.shape[:-2], d)
+
+
+def hc_expand(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """post[..., k] * out + sum_j comb[..., j, k] * streams[..., j, :] for every k:
+    streams [..., n, D], out [..., D], post [..., n], comb [..., n, n] -> [..., n, D]."""
+    if not usable(streams, out, post, comb):
+        raise _unusable()
+    n, d = streams.shape[-2:]
+    new: torch.Tensor = _module.hc_expand(
+        streams.reshape(-1, n, d), out.reshape(-1, d), post.reshape(-1, n), comb.reshape(-1, n, n)
+    )
+    return new.view(streams.shape)

@@ -121,13 +121,57 @@ def test_switches_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_failed_build_falls_back_and_says_why(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
-    broken = tmp_path / "kernels" / "index_topk.cpp"
-    broken.parent.mkdir()
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native, "_SOURCE", broken)
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for name in native._SOURCES:
+        (kernels / name).write_text("this is not C++\n")
+    monkeypatch.setattr(native, "_KERNELS", kernels)
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_failed", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     with caplog.at_level(logging.WARNING, logger="replaykv.model.native"):
         assert not native.usable(torch.zeros(1))
-    assert "native index kernel unavailable" in caplog.text and "error" in caplog.text
+    assert "native kernels unavailable" in caplog.text and "error" in caplog.text
+
+
+def mhc_case(seed: int, tokens: int = 50, n: int = 4, d: int = 40) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    streams, out = torch.randn(2, tokens, n, d, generator=g), torch.randn(2, tokens, d, generator=g)
+    pre, post = torch.rand(2, tokens, n, generator=g), 2 * torch.rand(2, tokens, n, generator=g)
+    comb = torch.softmax(torch.randn(2, tokens, n, n, generator=g), dim=-1)
+    return streams, out, pre, post, comb
+
+
+def test_mhc_collapse_and_expand_compute_their_formulas() -> None:
+    streams, out, pre, post, comb = mhc_case(1)
+    s64 = streams.double()
+    want_x = (pre.double()[..., None] * s64).sum(dim=2)
+    want_y = post.double()[..., None] * out.double()[..., None, :] + torch.einsum(
+        "btjk,btjd->btkd", comb.double(), s64
+    )
+    torch.testing.assert_close(native.hc_collapse(streams, pre).double(), want_x, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        native.hc_expand(streams, out, post, comb).double(), want_y, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_mhc_rows_do_not_depend_on_the_call() -> None:
+    """A decode row is computed in a call of one token, its prefill row in a call of many."""
+    streams, out, pre, post, comb = mhc_case(2, tokens=300, d=128)
+    x, y = native.hc_collapse(streams, pre), native.hc_expand(streams, out, post, comb)
+    for t in (0, 1, 150, 299):
+        sl = slice(t, t + 1)
+        assert torch.equal(native.hc_collapse(streams[:, sl], pre[:, sl]), x[:, sl])
+        assert torch.equal(native.hc_expand(streams[:, sl], out[:, sl], post[:, sl], comb[:, sl]), y[:, sl])
+
+
+def test_mhc_sites_keep_the_torch_path_where_autograd_records() -> None:
+    from replaykv.model.layers import hc_collapse, hc_expand
+
+    streams, out, pre, post, comb = mhc_case(3)
+    streams.requires_grad_(True)
+    assert not native.usable(streams, pre)
+    (hc_expand(streams, out, post, comb).sum() + hc_collapse(streams, pre).sum()).backward()
+    assert streams.grad is not None
+    with torch.no_grad():
+        assert native.usable(streams, pre)

@@ -199,7 +199,3 @@ torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, t
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("index_topk", &index_topk, "the lightning indexer's fused scoring and top-k (CPU)");
-}
