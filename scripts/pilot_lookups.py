@@ -160,6 +160,11 @@ def main() -> None:
     p.add_argument("--cases", type=int, default=20)
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each arm from its saved state in OUT/ARM (after SIGTERM)",
+    )
     args = p.parse_args()
     cells = CELLS if args.all_cells else CELLS[:2]
     heldout = load_corpus()["heldout"]
@@ -191,6 +196,7 @@ def main() -> None:
             recipe,
             out / f"lr{lr:g}",
             init=args.stage,
+            resume=args.resume,
             evaluate_at_end=False,
             progress=False,
             precision=args.precision,
