@@ -53,6 +53,8 @@ def _cpu_tag() -> str:
 
 def _load() -> Any:
     global _module, _failed
+    if _module is not None or _failed is not None:  # the hot path: no lock once decided
+        return _module
     with _lock:
         if _module is not None or _failed is not None:
             return _module
