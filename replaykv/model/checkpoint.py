@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from replaykv.model import native
 from replaykv.model.config import DeepseekV4Config
 from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.v4 import DeepseekV4ForCausalLM
@@ -231,6 +232,8 @@ def load_model(
             f"unexpected {sorted(unexpected)[:8]}"
         )
     cast_model(model, parse_dtype(dtype))
+    if torch.device(device).type == "cpu":
+        native.enabled()  # builds the native CPU kernels now (once per machine), not in a request
     return model.to(torch.device(device)).eval()
 
 

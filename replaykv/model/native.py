@@ -61,6 +61,7 @@ def _load() -> Any:
         try:
             from torch.utils import cpp_extension
 
+            log.info("loading the native CPU kernels (the first load on a machine compiles them)")
             _module = cpp_extension.load(
                 name=f"replaykv_native_{_cpu_tag()}",
                 sources=[str(_KERNELS / name) for name in _SOURCES],
