@@ -188,7 +188,11 @@ torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, t
   // (0, last, 1, last - 1, ...) and a thread's contiguous share holds early and late ones alike.
   // A query's result does not depend on the unit it falls in.
   const int64_t per_row = (nq + kChunk - 1) / kChunk;
-  at::parallel_for(0, b * per_row, 1, [&](int64_t begin, int64_t end) {
+  // A call of little work (a short prompt, a decode step) runs on the calling thread alone: a
+  // parallel region costs more than it saves there.
+  const int64_t unit_work = std::max<int64_t>(1, kChunk * n * h * d);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 22) / unit_work);
+  at::parallel_for(0, b * per_row, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t row = u / per_row, v = u % per_row;
       const int64_t c = (v % 2 == 0) ? v / 2 : per_row - 1 - v / 2;

@@ -13,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -24,7 +25,11 @@ void check(const torch::Tensor& t, int64_t dims, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
 }
 
-constexpr int64_t kGrain = 64;  // tokens a thread takes at least
+// Elements of [T, n, D] a thread takes at least: a smaller call runs on the calling thread alone
+// (a parallel region costs more than a few hundred tokens' streams take to sum).
+constexpr int64_t kGrainElements = 1 << 20;
+
+int64_t grain(int64_t n, int64_t d) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, n * d)); }
 
 }  // namespace
 
@@ -40,7 +45,7 @@ torch::Tensor hc_collapse(torch::Tensor s, torch::Tensor pre) {
   const float* sp = s.data_ptr<float>();
   const float* pp = pre.data_ptr<float>();
   float* xp = x.data_ptr<float>();
-  at::parallel_for(0, t_len, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, t_len, grain(n, d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict st = sp + t * n * d;
       const float* __restrict pt = pp + t * n;
@@ -77,7 +82,7 @@ torch::Tensor hc_expand(torch::Tensor s, torch::Tensor out, torch::Tensor post, 
   const float* pp = post.data_ptr<float>();
   const float* cp = comb.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, t_len, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, t_len, grain(n, d), [&](int64_t begin, int64_t end) {
     std::vector<float> mix(d);
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict st = sp + t * n * d;
