@@ -119,13 +119,30 @@ class HyperConnection(nn.Module):
         key = (scale._version, scale.data_ptr(), scale.device)
         if getattr(self, "_scales_key", None) != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor: autograd may save it
-                self._scales_cached = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
+                self._scales_cached = scale.repeat_interleave(
+                    torch.tensor([n, n, n * n], device=scale.device)
+                )
             self._scales_key = key
         return self._scales_cached
 
+    def _fn_t(self) -> torch.Tensor:
+        """`fn` transposed and contiguous, for the native mixes; kept until `fn` changes."""
+        fn = self.fn
+        key = (fn._version, fn.data_ptr(), fn.device)
+        if getattr(self, "_fn_t_key", None) != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._fn_t_cached = fn.detach().t().contiguous()
+            self._fn_t_key = key
+        return self._fn_t_cached
+
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (float32)."""
+        """streams [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (float32);
+        in one native call per site where `native.usable` (inference on CPU float32)."""
         n = self.hc_mult
+        if native.usable(streams, self.fn, self.scale, self.base):
+            return native.hc_mixes(
+                streams, self._fn_t(), self._scales(), self.base, self.norm_eps, self.hc_eps, self.iters
+            )
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
         scales = self._scales()
         z = linear(flat, self.fn) * scales + self.base
@@ -256,7 +273,9 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        pre = rowwise(torch.sigmoid, linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        pre = rowwise(
+            torch.sigmoid, linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
+        )
         return hc_collapse(streams, pre + self.eps)
 
 

@@ -4,7 +4,9 @@
 top-k of every query in one pass (`kernels/index_topk.cpp`): no [Q, H, N] products, no [Q, N]
 score tensor, no separate top-k. `hc_collapse` and `hc_expand` are the mHC sites' stream sums
 (`kernels/mhc.cpp`), one pass over a token's streams instead of torch's products, batched
-[n, n] x [n, D] matrix product and sums over [T, n, D] tensors.
+[n, n] x [n, D] matrix product and sums over [T, n, D] tensors. `hc_mixes` is an mHC site's
+mixes (`kernels/mhc_mixes.cpp`: RMS norm, product, sigmoids, softmax and Sinkhorn) per token
+in one call instead of a dozen operations and 2·iters − 1 normalisations.
 
 They are built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`; under a
 minute with the system's C++ compiler) for the CPU they run on, and used for every CPU float32
@@ -34,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp")
+_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp", "mhc_mixes.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -99,12 +101,11 @@ def disabled() -> Iterator[None]:
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether a native kernel runs for these operands: CPU float32 tensors that autograd does
     not record, kernels not turned off and buildable."""
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return (
-        not recorded
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and enabled()
-    )
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # the cheapest tests first, no generators: a decode step asks this often
+        if t.dtype is not torch.float32 or not t.is_cpu or (grad and t.requires_grad):
+            return False
+    return enabled()
 
 
 def _unusable() -> RuntimeError:
@@ -146,3 +147,23 @@ def hc_expand(
         streams.reshape(-1, n, d), out.reshape(-1, d), post.reshape(-1, n), comb.reshape(-1, n, n)
     )
     return new.view(streams.shape)
+
+
+def hc_mixes(
+    streams: torch.Tensor,
+    fn_t: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An mHC site's (pre, post, comb) from streams [..., n, D] with fn_t [n·D, (2+n)·n] (the
+    site's `fn` transposed), scale and base [(2+n)·n]: pre [..., n], post [..., n], comb [..., n,
+    n] (see `kernels/mhc_mixes.cpp` for the formula)."""
+    if not usable(streams, fn_t, scale, base):
+        raise _unusable()
+    n, d = streams.shape[-2:]
+    lead = streams.shape[:-2]
+    pre, post, comb = _module.hc_mixes(streams.reshape(-1, n, d), fn_t, scale, base, norm_eps, hc_eps, iters)
+    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)

@@ -13,6 +13,7 @@ import torch
 from replaykv.model import native
 from replaykv.model.attention import Indexer, sliced_scores
 from replaykv.model.compressor import topk_lowest_index
+from replaykv.model.layers import HyperConnection
 from replaykv.model.presets import v4_tiny
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernel not buildable here")
@@ -175,3 +176,74 @@ def test_mhc_sites_keep_the_torch_path_where_autograd_records() -> None:
     assert streams.grad is not None
     with torch.no_grad():
         assert native.usable(streams, pre)
+
+
+def mixes_site(seed: int, n: int = 4, d: int = 40, iters: int = 20) -> tuple[HyperConnection, torch.Tensor]:
+    """An mHC site with drawn weights (softmax inputs of a few units, so Sinkhorn has work) and
+    streams [2, 70, n, d] (70 tokens: four blocks of 16 and a ragged fifth)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=iters, hc_eps=1e-6, rms_norm_eps=1e-6, hidden_size=d)
+    site = HyperConnection(cfg)
+    with torch.no_grad():
+        site.fn.copy_(torch.randn(site.fn.shape, generator=g) * 0.1)
+        site.base.copy_(torch.randn(site.base.shape, generator=g))
+        site.scale.copy_(torch.rand(3, generator=g) + 0.5)
+    return site, torch.randn(2, 70, n, d, generator=g) * 3
+
+
+def mixes_reference(site: HyperConnection, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The mixes from the formula, in float64 (HyperConnection's docstring and mhc_mixes.cpp)."""
+    n, eps = site.hc_mult, site.hc_eps
+    x = streams.double().flatten(2)
+    x = x / (x.pow(2).mean(-1, keepdim=True) + site.norm_eps).sqrt()
+    scales = torch.cat(
+        [site.scale[0].expand(n), site.scale[1].expand(n), site.scale[2].expand(n * n)]
+    ).double()
+    z = x @ site.fn.double().T * scales + site.base.double()
+    pre = torch.sigmoid(z[..., :n]) + eps
+    post = 2 * torch.sigmoid(z[..., n : 2 * n])
+    c = torch.softmax(z[..., 2 * n :].unflatten(-1, (n, n)), dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(site.iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return pre, post, c
+
+
+@pytest.mark.parametrize(("n", "d", "iters"), [(4, 40, 20), (4, 128, 20), (2, 24, 3), (3, 8, 1)])
+def test_mhc_mixes_compute_their_formula(n: int, d: int, iters: int) -> None:
+    """n = 4 fills the kernel's register chunks of eight outputs exactly; n = 2 and 3 leave a
+    remainder ((2 + n) · n = 8 and 15 outputs)."""
+    site, streams = mixes_site(4, n, d, iters)
+    with torch.no_grad():
+        assert native.usable(streams, site.fn)
+        got = site.mixes(streams)
+        want = mixes_reference(site, streams)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_mhc_mixes_rows_do_not_depend_on_the_call() -> None:
+    """A token's mixes are the same alone, at any place in a block of 16 and in a long call."""
+    site, streams = mixes_site(5)
+    with torch.no_grad():
+        whole = site.mixes(streams)
+        for t in (0, 1, 15, 16, 37, 69):
+            alone = site.mixes(streams[:, t : t + 1])
+            for a, w in zip(alone, whole, strict=True):
+                assert torch.equal(a, w[:, t : t + 1])
+        shifted = site.mixes(streams[:, 3:])  # every token in another lane of its block
+        for a, w in zip(shifted, whole, strict=True):
+            assert torch.equal(a, w[:, 3:])
+
+
+def test_mhc_mixes_keep_the_torch_path_where_autograd_records() -> None:
+    site, streams = mixes_site(6)
+    pre, post, comb = site.mixes(streams)  # grad enabled, fn requires grad: the torch path
+    (pre.sum() + post.sum() + comb.pow(2).sum()).backward()
+    assert site.fn.grad is not None and site.fn.grad.abs().sum() > 0
+    with torch.no_grad():
+        torch.testing.assert_close(site.mixes(streams)[2], comb.detach(), rtol=1e-5, atol=1e-6)

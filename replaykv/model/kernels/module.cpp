@@ -5,9 +5,13 @@ torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, t
                          double post_scale);
 torch::Tensor hc_collapse(torch::Tensor s, torch::Tensor pre);
 torch::Tensor hc_expand(torch::Tensor s, torch::Tensor out, torch::Tensor post, torch::Tensor comb);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s, torch::Tensor fn_t,
+                                                                 torch::Tensor scale, torch::Tensor base,
+                                                                 double norm_eps, double hc_eps, int64_t iters);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_topk", &index_topk, "DeepSeek-V4's lightning indexer: scores, causal mask and top-k in one pass");
   m.def("hc_collapse", &hc_collapse, "mHC collapse: sum_k pre[t, k] * s[t, k, :]");
+  m.def("hc_mixes", &hc_mixes, "mHC mixes: RMS norm, product, sigmoids, softmax and Sinkhorn per token");
   m.def("hc_expand", &hc_expand, "mHC expand: post[t, k] * out[t, :] + sum_j comb[t, j, k] * s[t, j, :]");
 }
