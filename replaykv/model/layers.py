@@ -79,11 +79,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native.usable(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
         return cast(F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps), x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight, computed in float32, cast back to x's dtype."""
+    """RMSNorm without a weight, computed in float32, cast back to x's dtype (natively in one
+    call where `native.usable`)."""
+    if native.usable(x):
+        return native.rms_norm(x, None, eps)
     return cast(F.rms_norm(x.float(), (x.shape[-1],), None, eps), x.dtype)
 
 
@@ -319,6 +324,8 @@ class Experts(nn.Module):
         scales the activation, in float32, before the down projection.
         """
         t, k = indices.shape
+        if t == 1 and not torch.is_grad_enabled():
+            return self._one_token(x, indices, weights, weight_before_down)
         # Sort the (token, pick) pairs by expert, run each expert once on its rows, then put the
         # results back in (token, pick) order and sum over the picks. One code path for any number
         # of rows, so a token's result does not depend on what it was batched with.
@@ -345,6 +352,24 @@ class Experts(nn.Module):
         if weight_before_down:
             return y.view(t, k, -1).sum(dim=1)
         return (y.view(t, k, -1) * cast(weights.unsqueeze(-1), x.dtype)).sum(dim=1)
+
+    def _one_token(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, weight_before_down: bool
+    ) -> torch.Tensor:
+        """`forward` of a decode step: each pick's expert on the one row, in pick order. The
+        values of the sorted path (a token's rows through the same one-row products, the same
+        sum over picks) without its sort, counts and inverse permutation."""
+        outs = []
+        for j, e in enumerate(indices[0].tolist()):
+            gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            act = clamped_swiglu(gate, up, self.limit)
+            if weight_before_down:
+                act = cast(cast(act, torch.float32) * weights[:, j : j + 1], x.dtype)
+            outs.append(linear(act, self.down_proj[e]))
+        y = torch.cat(outs)
+        if weight_before_down:
+            return y.view(1, len(outs), -1).sum(dim=1)
+        return (y.view(1, len(outs), -1) * cast(weights.unsqueeze(-1), x.dtype)).sum(dim=1)
 
 
 class Router(nn.Module):

@@ -6,7 +6,9 @@ score tensor, no separate top-k. `hc_collapse` and `hc_expand` are the mHC sites
 (`kernels/mhc.cpp`), one pass over a token's streams instead of torch's products, batched
 [n, n] x [n, D] matrix product and sums over [T, n, D] tensors. `hc_mixes` is an mHC site's
 mixes (`kernels/mhc_mixes.cpp`: RMS norm, product, sigmoids, softmax and Sinkhorn) per token
-in one call instead of a dozen operations and 2·iters − 1 normalisations.
+in one call instead of a dozen operations and 2·iters − 1 normalisations. `rms_norm` and
+`rope` (`kernels/rows.cpp`) are the RMS norm and the rotary embedding, one call each instead of
+several kernels (decode steps make dozens of these calls).
 
 They are built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`; under a
 minute with the system's C++ compiler) for the CPU they run on, and used for every CPU float32
@@ -36,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp", "mhc_mixes.cpp")
+_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp", "mhc_mixes.cpp", "rows.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -167,3 +169,33 @@ def hc_mixes(
     lead = streams.shape[:-2]
     pre, post, comb = _module.hc_mixes(streams.reshape(-1, n, d), fn_t, scale, base, norm_eps, hc_eps, iters)
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+_EMPTY = torch.empty(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) over the last axis, times `weight` [D] when given."""
+    if not usable(x) if weight is None else not usable(x, weight):
+        raise _unusable()
+    d = x.shape[-1]
+    out: torch.Tensor = _module.rms_norm(x.reshape(-1, d), _EMPTY if weight is None else weight, eps)
+    return out.view(x.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
+    """`rope.apply_rope` where the tables are per row of x ([..., r] for x [..., D]) or per row
+    with a head axis of one ([..., 1, r] for x [..., H, D]); None for any other broadcast (the
+    caller keeps its torch path)."""
+    if not usable(x, cos, sin):
+        raise _unusable()
+    r = cos.shape[-1]
+    if cos.shape[:-1] == x.shape[:-1]:
+        heads = 1
+    elif cos.dim() == x.dim() and cos.shape[-2] == 1 and cos.shape[:-2] == x.shape[:-2]:
+        heads = x.shape[-2]
+    else:
+        return None
+    d = x.shape[-1]
+    out: torch.Tensor = _module.rope(x.reshape(-1, heads, d), cos.reshape(-1, r), sin.reshape(-1, r), inverse)
+    return out.view(x.shape)

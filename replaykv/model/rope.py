@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from replaykv.model import native
 from replaykv.model.config import RopeConfig, yarn_low_high
 
 
@@ -65,8 +66,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """Rotate the trailing cos.shape[-1] channels of x by the table's angles (or their negatives).
 
     x: [..., D]; cos/sin: broadcastable to x[..., -rope_dim:] (insert a head axis at the caller).
-    The products are those of (x0·c − x1·s, x1·c + x0·s), in float32.
+    The products are those of (x0·c − x1·s, x1·c + x0·s), in float32 (natively in one call
+    where `native.usable` and the tables are per row, with or without a head axis of one).
     """
+    if native.usable(x, cos, sin):
+        out = native.rope(x, cos, sin, inverse)
+        if out is not None:
+            return out
     r = cos.shape[-1]
     tail = x[..., x.shape[-1] - r :]
     if tail.dtype != torch.float32:

@@ -247,3 +247,39 @@ def test_mhc_mixes_keep_the_torch_path_where_autograd_records() -> None:
     assert site.fn.grad is not None and site.fn.grad.abs().sum() > 0
     with torch.no_grad():
         torch.testing.assert_close(site.mixes(streams)[2], comb.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [64, 128, 40, 7])
+def test_rms_norm_computes_its_formula_and_rows_do_not_depend_on_the_call(d: int) -> None:
+    """d = 40 and 7 leave a tail after the runs of 16 the sum of squares takes."""
+    g = torch.Generator().manual_seed(d)
+    x, w = torch.randn(3, 33, d, generator=g) * 5, torch.rand(d, generator=g) + 0.5
+    for weight in (w, None):
+        got = native.rms_norm(x, weight, 1e-6)
+        x64 = x.double()
+        want = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (1 if weight is None else w.double())
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        for r in (0, 17, 32):
+            assert torch.equal(native.rms_norm(x[:, r : r + 1], weight, 1e-6), got[:, r : r + 1])
+
+
+def test_rope_computes_the_torch_rotation_per_row_and_per_head() -> None:
+    from replaykv.model.rope import apply_rope, rope_table
+
+    g = torch.Generator().manual_seed(8)
+    cos, sin = rope_table(torch.rand(8, generator=g), torch.arange(40).view(2, 20) * 7)  # [2, 20, 16]
+    x_heads, x_rows = torch.randn(2, 20, 4, 64, generator=g), torch.randn(2, 20, 64, generator=g)
+    for x, c, s in ((x_heads, cos[:, :, None], sin[:, :, None]), (x_rows, cos, sin)):
+        for inverse in (False, True):
+            got = native.rope(x, c, s, inverse)
+            assert got is not None
+            with native.disabled():
+                want = apply_rope(x, c, s, inverse)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            assert torch.equal(got[..., :48], x[..., :48])  # leading channels pass through
+            assert torch.equal(native.rope(x[:, 5:6], c[:, 5:6], s[:, 5:6], inverse), got[:, 5:6])
+            assert torch.equal(apply_rope(x, c, s, inverse), got)  # the model's path takes it
+    # tables broadcast over the batch: not a per-row table, so the torch path answers
+    assert native.rope(x_rows, cos[:1], sin[:1]) is None
+    wide = apply_rope(x_rows, cos[:1].expand(2, -1, -1), sin[:1].expand(2, -1, -1))  # native
+    torch.testing.assert_close(apply_rope(x_rows, cos[:1], sin[:1]), wide, rtol=1e-6, atol=1e-6)

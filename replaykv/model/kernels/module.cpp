@@ -9,9 +9,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s
                                                                  torch::Tensor scale, torch::Tensor base,
                                                                  double norm_eps, double hc_eps, int64_t iters);
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool inverse);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_topk", &index_topk, "DeepSeek-V4's lightning indexer: scores, causal mask and top-k in one pass");
   m.def("hc_collapse", &hc_collapse, "mHC collapse: sum_k pre[t, k] * s[t, k, :]");
+  m.def("rms_norm", &rms_norm, "RMS norm of each row, optionally weighted");
+  m.def("rope", &rope, "rotary embedding of each head's trailing channels");
   m.def("hc_mixes", &hc_mixes, "mHC mixes: RMS norm, product, sigmoids, softmax and Sinkhorn per token");
   m.def("hc_expand", &hc_expand, "mHC expand: post[t, k] * out[t, :] + sum_j comb[t, j, k] * s[t, j, :]");
 }
