@@ -132,9 +132,8 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_k pre[..., k] * streams[..., k, :]: [..., n, D] x [..., n] -> [..., D]."""
     if not usable(streams, pre):
         raise _unusable()
-    n, d = streams.shape[-2:]
-    out: torch.Tensor = _module.hc_collapse(streams.reshape(-1, n, d), pre.reshape(-1, n))
-    return out.view(*streams.shape[:-2], d)
+    out: torch.Tensor = _module.hc_collapse(streams, pre)
+    return out
 
 
 def hc_expand(
@@ -144,11 +143,8 @@ def hc_expand(
     streams [..., n, D], out [..., D], post [..., n], comb [..., n, n] -> [..., n, D]."""
     if not usable(streams, out, post, comb):
         raise _unusable()
-    n, d = streams.shape[-2:]
-    new: torch.Tensor = _module.hc_expand(
-        streams.reshape(-1, n, d), out.reshape(-1, d), post.reshape(-1, n), comb.reshape(-1, n, n)
-    )
-    return new.view(streams.shape)
+    new: torch.Tensor = _module.hc_expand(streams, out, post, comb)
+    return new
 
 
 def hc_mixes(
@@ -165,10 +161,10 @@ def hc_mixes(
     n] (see `kernels/mhc_mixes.cpp` for the formula)."""
     if not usable(streams, fn_t, scale, base):
         raise _unusable()
-    n, d = streams.shape[-2:]
-    lead = streams.shape[:-2]
-    pre, post, comb = _module.hc_mixes(streams.reshape(-1, n, d), fn_t, scale, base, norm_eps, hc_eps, iters)
-    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+    mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _module.hc_mixes(
+        streams, fn_t, scale, base, norm_eps, hc_eps, iters
+    )
+    return mixes
 
 
 _EMPTY = torch.empty(0)
@@ -178,9 +174,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """x / sqrt(mean(x²) + eps) over the last axis, times `weight` [D] when given."""
     if not usable(x) if weight is None else not usable(x, weight):
         raise _unusable()
-    d = x.shape[-1]
-    out: torch.Tensor = _module.rms_norm(x.reshape(-1, d), _EMPTY if weight is None else weight, eps)
-    return out.view(x.shape)
+    out: torch.Tensor = _module.rms_norm(x, _EMPTY if weight is None else weight, eps)
+    return out
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
@@ -189,13 +184,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     caller keeps its torch path)."""
     if not usable(x, cos, sin):
         raise _unusable()
-    r = cos.shape[-1]
+    if sin.shape != cos.shape:
+        return None
     if cos.shape[:-1] == x.shape[:-1]:
         heads = 1
     elif cos.dim() == x.dim() and cos.shape[-2] == 1 and cos.shape[:-2] == x.shape[:-2]:
         heads = x.shape[-2]
     else:
         return None
-    d = x.shape[-1]
-    out: torch.Tensor = _module.rope(x.reshape(-1, heads, d), cos.reshape(-1, r), sin.reshape(-1, r), inverse)
-    return out.view(x.shape)
+    out: torch.Tensor = _module.rope(x, cos, sin, heads, inverse)
+    return out

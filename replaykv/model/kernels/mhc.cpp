@@ -13,17 +13,13 @@
 
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-void check(const torch::Tensor& t, int64_t dims, const char* name) {
-  TORCH_CHECK(t.dim() == dims, name, ": expected ", dims, " dimensions, got ", t.dim());
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": expected float32");
-  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
-}
 
 // Elements of [T, n, D] a thread takes at least: a smaller call runs on the calling thread alone
 // (a parallel region costs more than a few hundred tokens' streams take to sum).
@@ -33,15 +29,17 @@ int64_t grain(int64_t n, int64_t d) { return std::max<int64_t>(1, kGrainElements
 
 }  // namespace
 
-// s [T, n, D], pre [T, n] -> [T, D]
+// s [..., n, D], pre [..., n] -> [..., D]
 torch::Tensor hc_collapse(torch::Tensor s, torch::Tensor pre) {
-  check(s, 3, "hc_collapse streams");
-  check(pre, 2, "hc_collapse pre");
-  const int64_t t_len = s.size(0), n = s.size(1), d = s.size(2);
-  TORCH_CHECK(pre.size(0) == t_len && pre.size(1) == n, "hc_collapse: pre does not match the streams");
+  replaykv::check_float_cpu(s, "hc_collapse streams");
+  replaykv::check_float_cpu(pre, "hc_collapse pre");
+  const auto lead = replaykv::lead_shape(s, 2, "hc_collapse streams");
+  const int64_t t_len = replaykv::count(lead), n = s.size(-2), d = s.size(-1);
+  TORCH_CHECK(replaykv::lead_shape(pre, 1, "hc_collapse pre") == lead && pre.size(-1) == n,
+              "hc_collapse: pre does not match the streams");
   s = s.contiguous();
   pre = pre.contiguous();
-  auto x = torch::empty({t_len, d}, s.options());
+  auto x = torch::empty(replaykv::with(lead, {d}), s.options());
   const float* sp = s.data_ptr<float>();
   const float* pp = pre.data_ptr<float>();
   float* xp = x.data_ptr<float>();
@@ -61,22 +59,25 @@ torch::Tensor hc_collapse(torch::Tensor s, torch::Tensor pre) {
   return x;
 }
 
-// s [T, n, D], out [T, D], post [T, n], comb [T, n, n] -> [T, n, D]
+// s [..., n, D], out [..., D], post [..., n], comb [..., n, n] -> [..., n, D]
 torch::Tensor hc_expand(torch::Tensor s, torch::Tensor out, torch::Tensor post, torch::Tensor comb) {
-  check(s, 3, "hc_expand streams");
-  check(out, 2, "hc_expand out");
-  check(post, 2, "hc_expand post");
-  check(comb, 3, "hc_expand comb");
-  const int64_t t_len = s.size(0), n = s.size(1), d = s.size(2);
-  TORCH_CHECK(out.size(0) == t_len && out.size(1) == d, "hc_expand: out does not match the streams");
-  TORCH_CHECK(post.size(0) == t_len && post.size(1) == n, "hc_expand: post does not match the streams");
-  TORCH_CHECK(comb.size(0) == t_len && comb.size(1) == n && comb.size(2) == n,
+  replaykv::check_float_cpu(s, "hc_expand streams");
+  replaykv::check_float_cpu(out, "hc_expand out");
+  replaykv::check_float_cpu(post, "hc_expand post");
+  replaykv::check_float_cpu(comb, "hc_expand comb");
+  const auto lead = replaykv::lead_shape(s, 2, "hc_expand streams");
+  const int64_t t_len = replaykv::count(lead), n = s.size(-2), d = s.size(-1);
+  TORCH_CHECK(replaykv::lead_shape(out, 1, "hc_expand out") == lead && out.size(-1) == d,
+              "hc_expand: out does not match the streams");
+  TORCH_CHECK(replaykv::lead_shape(post, 1, "hc_expand post") == lead && post.size(-1) == n,
+              "hc_expand: post does not match the streams");
+  TORCH_CHECK(replaykv::lead_shape(comb, 2, "hc_expand comb") == lead && comb.size(-2) == n && comb.size(-1) == n,
               "hc_expand: comb does not match the streams");
   s = s.contiguous();
   out = out.contiguous();
   post = post.contiguous();
   comb = comb.contiguous();
-  auto y = torch::empty({t_len, n, d}, s.options());
+  auto y = torch::empty(s.sizes(), s.options());
   const float* sp = s.data_ptr<float>();
   const float* op = out.data_ptr<float>();
   const float* pp = post.data_ptr<float>();

@@ -22,6 +22,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,8 +42,7 @@ typedef float Lanes __attribute__((vector_size(kBlock * sizeof(float))));
 
 void check(const torch::Tensor& t, int64_t dims, const char* name) {
   TORCH_CHECK(t.dim() == dims, name, ": expected ", dims, " dimensions, got ", t.dim());
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": expected float32");
-  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
+  replaykv::check_float_cpu(t, name);
 }
 
 struct Site {
@@ -126,16 +127,17 @@ void block(const Site& site, const float* sp, int64_t t0, int64_t t_len, Lanes* 
 
 }  // namespace
 
-// s [T, n, D], fn_t [n * D, M] (fn transposed), scale [M], base [M] -> (pre [T, n], post [T, n],
-// comb [T, n, n])
+// s [..., n, D], fn_t [n * D, M] (fn transposed), scale [M], base [M] -> (pre [..., n],
+// post [..., n], comb [..., n, n])
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s, torch::Tensor fn_t,
                                                                  torch::Tensor scale, torch::Tensor base,
                                                                  double norm_eps, double hc_eps, int64_t iters) {
-  check(s, 3, "hc_mixes streams");
+  replaykv::check_float_cpu(s, "hc_mixes streams");
+  const auto lead = replaykv::lead_shape(s, 2, "hc_mixes streams");
   check(fn_t, 2, "hc_mixes fn_t");
   check(scale, 1, "hc_mixes scale");
   check(base, 1, "hc_mixes base");
-  const int64_t t_len = s.size(0), n = s.size(1), d = s.size(2), k_len = n * d, m = (2 + n) * n;
+  const int64_t t_len = replaykv::count(lead), n = s.size(-2), d = s.size(-1), k_len = n * d, m = (2 + n) * n;
   TORCH_CHECK(fn_t.size(0) == k_len && fn_t.size(1) == m, "hc_mixes: fn_t must be [n * D, (2 + n) * n]");
   TORCH_CHECK(scale.size(0) == m && base.size(0) == m, "hc_mixes: scale and base must have (2 + n) * n values");
   TORCH_CHECK(iters >= 1, "hc_mixes: iters must be at least 1");
@@ -143,9 +145,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s
   fn_t = fn_t.contiguous();
   scale = scale.contiguous();
   base = base.contiguous();
-  auto pre = torch::empty({t_len, n}, s.options());
-  auto post = torch::empty({t_len, n}, s.options());
-  auto comb = torch::empty({t_len, n, n}, s.options());
+  auto pre = torch::empty(replaykv::with(lead, {n}), s.options());
+  auto post = torch::empty(replaykv::with(lead, {n}), s.options());
+  auto comb = torch::empty(replaykv::with(lead, {n, n}), s.options());
   if (t_len == 0) return {pre, post, comb};
   const Site site{fn_t.data_ptr<float>(), scale.data_ptr<float>(), base.data_ptr<float>(), n, k_len, m, iters,
                   static_cast<float>(norm_eps), static_cast<float>(hc_eps)};

@@ -10,7 +10,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s
                                                                  double norm_eps, double hc_eps, int64_t iters);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool inverse);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool inverse);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_topk", &index_topk, "DeepSeek-V4's lightning indexer: scores, causal mask and top-k in one pass");

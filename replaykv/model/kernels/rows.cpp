@@ -14,6 +14,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,11 +26,6 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kGrainElements = 1 << 16;  // elements a thread takes at least
 
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-void check(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": expected float32");
-  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
-}
 
 int64_t grain(int64_t row) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row)); }
 
@@ -49,14 +46,13 @@ float sum_squares(const float* x, int64_t d) {
 
 }  // namespace
 
-// x [R, D], weight [D] or an empty tensor -> [R, D]
+// x [..., D], weight [D] or an empty tensor -> [..., D]
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check(x, "rms_norm x");
-  TORCH_CHECK(x.dim() == 2, "rms_norm: expected x [rows, D]");
-  const int64_t rows = x.size(0), d = x.size(1);
+  replaykv::check_float_cpu(x, "rms_norm x");
+  const int64_t rows = replaykv::count(replaykv::lead_shape(x, 1, "rms_norm x")), d = x.size(-1);
   const bool weighted = weight.numel() > 0;
   if (weighted) {
-    check(weight, "rms_norm weight");
+    replaykv::check_float_cpu(weight, "rms_norm weight");
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "rms_norm: weight must be [D]");
     weight = weight.contiguous();
   }
@@ -81,15 +77,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return y;
 }
 
-// x [R, H, D], cos and sin [R, rd] (rd even, <= D) -> [R, H, D]
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool inverse) {
-  check(x, "rope x");
-  check(cos, "rope cos");
-  check(sin, "rope sin");
-  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && sin.dim() == 2, "rope: expected x [R, H, D], cos and sin [R, rd]");
-  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), rd = cos.size(1);
-  TORCH_CHECK(cos.size(0) == rows && sin.size(0) == rows && sin.size(1) == rd && rd % 2 == 0 && rd <= d,
-              "rope: tables do not match x");
+// x [..., D] read as [R, heads, D]; cos and sin [..., rd] read as [R, rd] (rd even, <= D) -> x's
+// shape
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool inverse) {
+  replaykv::check_float_cpu(x, "rope x");
+  replaykv::check_float_cpu(cos, "rope cos");
+  replaykv::check_float_cpu(sin, "rope sin");
+  TORCH_CHECK(x.dim() >= 1 && cos.dim() >= 1 && sin.sizes() == cos.sizes() && heads >= 1, "rope: bad shapes");
+  const int64_t d = x.size(-1), rd = cos.size(-1), rows = cos.numel() / std::max<int64_t>(1, rd);
+  TORCH_CHECK(rows * heads * d == x.numel() && rd % 2 == 0 && rd <= d, "rope: tables do not match x");
   x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();

@@ -1,0 +1,35 @@
+// Shape helpers shared by the native kernels: a kernel takes [..., trailing dims] tensors and
+// works on the leading dimensions as one row axis (no reshape dispatches on the Python side).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace replaykv {
+
+inline void check_float_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": expected float32");
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
+}
+
+// The sizes of t without its last `trailing` dimensions (t must have at least that many).
+inline std::vector<int64_t> lead_shape(const torch::Tensor& t, int64_t trailing, const char* name) {
+  TORCH_CHECK(t.dim() >= trailing, name, ": expected at least ", trailing, " dimensions, got ", t.dim());
+  return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - trailing);
+}
+
+inline int64_t count(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+// shape followed by the trailing sizes
+inline std::vector<int64_t> with(std::vector<int64_t> shape, std::initializer_list<int64_t> trailing) {
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  return shape;
+}
+
+}  // namespace replaykv
