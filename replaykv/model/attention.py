@@ -34,6 +34,7 @@ from replaykv.model.layers import (
     Linear,
     RMSNorm,
     cast,
+    linears,
     rowwise,
     unweighted_rms_norm,
 )
@@ -404,12 +405,13 @@ class Attention(nn.Module):
         cos, sin = step.rope[self.rope_kind]
         cos_h, sin_h = step.rope.heads(self.rope_kind)
 
-        q_res = self.q_a_norm(self.q_a_proj(x))
+        q_a, kv_a = linears(x, self, self.q_a_proj.weight, self.kv_proj.weight)  # one product
+        q_res = self.q_a_norm(q_a)
         q = self.q_b_proj(q_res).view(b, s, h, d)
         q = unweighted_rms_norm(q, self.config.rms_norm_eps)
         q = apply_rope(q, cos_h, sin_h)
 
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, S, D]
+        kv = apply_rope(self.kv_norm(kv_a), cos, sin)  # [B, S, D]
         if s == 1:  # decode: write the slot, then read the window in position order
             slots = step.start.remainder(w)
             cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from replaykv.model.cache_view import CompressorCarry
-from replaykv.model.layers import Linear, RMSNorm, cast, linear
+from replaykv.model.layers import Linear, RMSNorm, cast, linear, linears
 from replaykv.model.step import Step
 
 
@@ -87,10 +87,9 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, S, hidden], positions [B, S] -> float32 (kv, gate + position bias) [B, S, width]."""
         xf = cast(x, torch.float32)
-        kv = linear(xf, cast(self.kv_proj.weight, torch.float32))
         if self.gate_proj is None:
-            return kv, None
-        gate = linear(xf, cast(self.gate_proj.weight, torch.float32))
+            return linear(xf, cast(self.kv_proj.weight, torch.float32)), None
+        kv, gate = linears(xf, self, self.kv_proj.weight, self.gate_proj.weight, dtype=torch.float32)
         if self.position_bias is not None:
             gate = gate + self.position_bias[positions.remainder(self.ratio)]
         return kv, gate

@@ -60,6 +60,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, weight)[:m].view(*x.shape[:-1], -1)
 
 
+def linears(
+    x: torch.Tensor, owner: nn.Module, *weights: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    """`linear(x, w)` for each of `weights` (cast to `dtype` when given): where autograd does not
+    record, one product over the weights stacked (the stack is kept on `owner` until a weight
+    changes), split by output; otherwise one product each. Every path, prefill and decode,
+    takes the same product for the same weights, so a row does not depend on the call."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return tuple(linear(x, w if dtype is None else cast(w, dtype)) for w in weights)
+    key = tuple((w._version, w.data_ptr(), w.device) for w in weights), dtype
+    cached = owner.__dict__.get("_stacked_weights")
+    if cached is None or cached[0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            stacked = torch.cat([w.detach() if dtype is None else cast(w.detach(), dtype) for w in weights])
+        cached = owner.__dict__["_stacked_weights"] = (key, stacked)
+    return tuple(linear(x, cached[1]).split([w.shape[0] for w in weights], dim=-1))
+
+
 class Linear(nn.Linear):
     """A bias-free nn.Linear computed with :func:`linear`."""
 
@@ -301,7 +319,8 @@ class SharedExpert(nn.Module):
         self.limit = config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = linears(x, self, self.gate_proj.weight, self.up_proj.weight)
+        return self.down_proj(clamped_swiglu(gate, up, self.limit))
 
 
 class Experts(nn.Module):
