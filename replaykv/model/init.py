@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replaykv.model.layers import HyperConnection, HyperHead, RMSNorm, Router
+from replaykv.model.layers import HyperConnection, HyperHead, RMSNorm
+from replaykv.model.moe import Router
 
 
 @torch.no_grad()

@@ -20,12 +20,12 @@ from replaykv.model.layers import (
     HyperConnection,
     HyperHead,
     Linear,
-    MoE,
     RMSNorm,
     hc_collapse,
     hc_expand,
     linear,
 )
+from replaykv.model.moe import MoE
 from replaykv.model.rope import inv_freq
 from replaykv.model.step import Residual, Selection, Step, build_step, flush_denormals
 

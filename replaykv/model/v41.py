@@ -31,12 +31,12 @@ from replaykv.model.config_v41 import DeepseekV41Config
 from replaykv.model.layers import (
     HyperConnection,
     Linear,
-    MoEV41,
     RMSNorm,
     hc_collapse,
     hc_expand,
     linear,
 )
+from replaykv.model.moe import MoEV41
 from replaykv.model.rope import inv_freq
 from replaykv.model.step import IMAGE_ROW_ID, Residual, Selection, Step, build_step, flush_denormals
 from replaykv.model.vision import VisionTower

@@ -19,7 +19,7 @@ and parameter names below are ours):
   then end (h·(w+1)+2 positions, :func:`replaykv.images.span_layout`).
 
 The MoE router selects experts for span positions with ``e_score_correction_bias_vl`` instead
-of the text bias (:class:`replaykv.model.layers.RouterV41`). Not for: decoding or resizing
+of the text bias (:class:`replaykv.model.moe.RouterV41`). Not for: decoding or resizing
 images (:mod:`replaykv.images`), or placing spans in prompts (the engine).
 """
 

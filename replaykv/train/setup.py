@@ -18,7 +18,8 @@ from replaykv.model.attention import Indexer
 from replaykv.model.attention_v41 import IndexerV41
 from replaykv.model.checkpoint import load_model
 from replaykv.model.init import init_weights
-from replaykv.model.layers import HyperConnection, HyperHead, RouterV41
+from replaykv.model.layers import HyperConnection, HyperHead
+from replaykv.model.moe import RouterV41
 from replaykv.model.presets_v41 import get_preset_v41
 from replaykv.model.v41 import DeepseekV41ForCausalLM
 from replaykv.train.recipes import Recipe
