@@ -377,6 +377,9 @@ def main() -> int:
         return "—" if v is None else f"{v:.2f}"
 
     rounds = len(runs["ours"])
+    hf_rounds = [] if dec_hf is None else dec_hf.get("rounds", [])
+    pairs = [h / o for o, h in zip(dec_ours.get("rounds", []), hf_rounds, strict=False)]
+    paired = f"{statistics.median(pairs):.2f}× ({' / '.join(f'{p:.2f}×' for p in pairs)})" if pairs else "—"
     lines += [
         "| | replaykv | transformers | speed-up |",
         "|---|---:|---:|---:|",
@@ -386,6 +389,7 @@ def main() -> int:
         f"| each round (engines alternating which goes first) | "
         f"{' / '.join(ms(v) for v in dec_ours.get('rounds', []))} | "
         f"{'—' if dec_hf is None else ' / '.join(ms(v) for v in dec_hf.get('rounds', []))} | |",
+        f"| speed-up of each round (its two processes), median | | | {paired} |",
         f"| ms per decoded token by intra-op threads (median of rounds) | {by_threads(dec_ours)} | "
         f"{by_threads(dec_hf)} | |",
     ]
