@@ -283,3 +283,13 @@ def test_rope_computes_the_torch_rotation_per_row_and_per_head() -> None:
     assert native.rope(x_rows, cos[:1], sin[:1]) is None
     wide = apply_rope(x_rows, cos[:1].expand(2, -1, -1), sin[:1].expand(2, -1, -1))  # native
     torch.testing.assert_close(apply_rope(x_rows, cos[:1], sin[:1]), wide, rtol=1e-6, atol=1e-6)
+
+
+def test_mismatched_operands_get_a_clear_error() -> None:
+    streams, out, pre, post, comb = mhc_case(9)
+    with pytest.raises(RuntimeError, match=r"hc_collapse pre: shape .* does not match"):
+        native.hc_collapse(streams, pre[:, :-1])
+    with pytest.raises(RuntimeError, match=r"hc_expand comb: shape .* does not match"):
+        native.hc_expand(streams, out, post, comb[..., :-1])
+    with pytest.raises(RuntimeError, match="rope: tables do not match"):
+        native.rope(torch.zeros(2, 3, 8), torch.zeros(2, 3, 10), torch.zeros(2, 3, 10))

@@ -32,4 +32,11 @@ inline std::vector<int64_t> with(std::vector<int64_t> shape, std::initializer_li
   return shape;
 }
 
+// t is a float32 CPU tensor of shape lead + trailing.
+inline void expect(const torch::Tensor& t, const std::vector<int64_t>& lead, std::initializer_list<int64_t> trailing,
+                   const char* name) {
+  check_float_cpu(t, name);
+  TORCH_CHECK(t.sizes().vec() == with(lead, trailing), name, ": shape ", t.sizes(), " does not match the other operands");
+}
+
 }  // namespace replaykv

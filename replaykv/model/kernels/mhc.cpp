@@ -32,11 +32,9 @@ int64_t grain(int64_t n, int64_t d) { return std::max<int64_t>(1, kGrainElements
 // s [..., n, D], pre [..., n] -> [..., D]
 torch::Tensor hc_collapse(torch::Tensor s, torch::Tensor pre) {
   replaykv::check_float_cpu(s, "hc_collapse streams");
-  replaykv::check_float_cpu(pre, "hc_collapse pre");
   const auto lead = replaykv::lead_shape(s, 2, "hc_collapse streams");
   const int64_t t_len = replaykv::count(lead), n = s.size(-2), d = s.size(-1);
-  TORCH_CHECK(replaykv::lead_shape(pre, 1, "hc_collapse pre") == lead && pre.size(-1) == n,
-              "hc_collapse: pre does not match the streams");
+  replaykv::expect(pre, lead, {n}, "hc_collapse pre");
   s = s.contiguous();
   pre = pre.contiguous();
   auto x = torch::empty(replaykv::with(lead, {d}), s.options());
@@ -62,17 +60,11 @@ torch::Tensor hc_collapse(torch::Tensor s, torch::Tensor pre) {
 // s [..., n, D], out [..., D], post [..., n], comb [..., n, n] -> [..., n, D]
 torch::Tensor hc_expand(torch::Tensor s, torch::Tensor out, torch::Tensor post, torch::Tensor comb) {
   replaykv::check_float_cpu(s, "hc_expand streams");
-  replaykv::check_float_cpu(out, "hc_expand out");
-  replaykv::check_float_cpu(post, "hc_expand post");
-  replaykv::check_float_cpu(comb, "hc_expand comb");
   const auto lead = replaykv::lead_shape(s, 2, "hc_expand streams");
   const int64_t t_len = replaykv::count(lead), n = s.size(-2), d = s.size(-1);
-  TORCH_CHECK(replaykv::lead_shape(out, 1, "hc_expand out") == lead && out.size(-1) == d,
-              "hc_expand: out does not match the streams");
-  TORCH_CHECK(replaykv::lead_shape(post, 1, "hc_expand post") == lead && post.size(-1) == n,
-              "hc_expand: post does not match the streams");
-  TORCH_CHECK(replaykv::lead_shape(comb, 2, "hc_expand comb") == lead && comb.size(-2) == n && comb.size(-1) == n,
-              "hc_expand: comb does not match the streams");
+  replaykv::expect(out, lead, {d}, "hc_expand out");
+  replaykv::expect(post, lead, {n}, "hc_expand post");
+  replaykv::expect(comb, lead, {n, n}, "hc_expand comb");
   s = s.contiguous();
   out = out.contiguous();
   post = post.contiguous();
