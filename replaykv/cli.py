@@ -61,6 +61,10 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         preset = preset.replace(kv_quant=quant)
     model = init_weights(build_model(preset), seed=args.seed)
     cast_model(model, parse_dtype(args.dtype))
+    if torch.device(args.device).type == "cpu":
+        from replaykv.model import native
+
+        native.enabled()  # builds the native CPU kernels now (once per machine), not in a request
     return model.to(torch.device(args.device)).eval(), True
 
 
