@@ -42,9 +42,8 @@ def _find_model(args: argparse.Namespace) -> bool | None:
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The model of `args` (with `args.model` set to the directory it came from, if any) and
     whether its weights are random."""
-    import torch
 
-    from replaykv.model.checkpoint import cast_model, load_model, parse_dtype
+    from replaykv.model.checkpoint import cast_model, load_model, parse_dtype, place
 
     quant = _find_model(args)
     if args.model:
@@ -61,11 +60,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         preset = preset.replace(kv_quant=quant)
     model = init_weights(build_model(preset), seed=args.seed)
     cast_model(model, parse_dtype(args.dtype))
-    if torch.device(args.device).type == "cpu":
-        from replaykv.model import native
-
-        native.enabled()  # builds the native CPU kernels now (once per machine), not in a request
-    return model.to(torch.device(args.device)).eval(), True
+    return place(model, args.device), True
 
 
 def cmd_score(args: argparse.Namespace) -> int:

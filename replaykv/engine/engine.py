@@ -254,7 +254,7 @@ def _key_parts(request: Request) -> tuple[tuple[int, int, bytes], ...]:
 
 
 def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer | HFTokenizer]:
-    from replaykv.model.checkpoint import build_model, cast_model, load_config, load_model, parse_dtype
+    from replaykv.model.checkpoint import build_model, cast_model, load_config, load_model, parse_dtype, place
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
 
@@ -268,7 +268,7 @@ def _build_model(config: EngineConfig) -> tuple[Any, str, ByteTokenizer | HFToke
         model_config = model_config.replace(kv_quant=config.kv_quant)
     model = init_weights(build_model(model_config), seed=config.seed)
     cast_model(model, parse_dtype(config.dtype))
-    model = model.to(torch.device(config.device)).eval()
+    model = place(model, config.device)
     return model, config.model_name or f"{config.preset}-random-seed{config.seed}", ByteTokenizer()
 
 

@@ -54,24 +54,30 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--families", default=",".join(FAMILIES), help=f"prompt families: {','.join(FAMILIES)}")
     p.add_argument("--lengths", default="1024,2048", help="context lengths in tokens")
     p.add_argument("--prompts", type=positive_int, default=8, help="prompts per family and length (tokens)")
-    p.add_argument("--answer-prompts", type=positive_int, default=40, help="prompts per task and length (answers)")
-    p.add_argument("--offsets", default=",".join(DEFAULT_OFFSETS), help="cut offsets after the anchor (W = the span)")
+    p.add_argument(
+        "--answer-prompts", type=positive_int, default=40, help="prompts per task and length (answers)"
+    )
+    p.add_argument(
+        "--offsets", default=",".join(DEFAULT_OFFSETS), help="cut offsets after the anchor (W = the span)"
+    )
     p.add_argument("--paths", default="bounded,decoder,both", help="replay paths compared with the exact one")
     p.add_argument("--continuation", type=positive_int, default=64, help="greedy continuation tokens")
     p.add_argument("--turns", default="5,10,20", help="turns per drift session")
-    p.add_argument("--drift-prompts", type=positive_int, default=8, help="prompts per family and length (drift)")
+    p.add_argument(
+        "--drift-prompts", type=positive_int, default=8, help="prompts per family and length (drift)"
+    )
     p.add_argument("--drift-lengths", default=None, help="lengths of drift sessions (default: --lengths)")
     p.add_argument("--replay-span", type=positive_int, default=None, help="W (default: the model's window)")
-    p.add_argument("--corpus-files", type=positive_int, default=None, help="held-out corpus from this many files")
+    p.add_argument(
+        "--corpus-files", type=positive_int, default=None, help="held-out corpus from this many files"
+    )
     p.add_argument("--write", default=None, help="also replace the fidelity section of this Markdown file")
     p.add_argument("--quiet", action="store_true")
     return p
 
 
 def _model(args: Any) -> tuple[Any, dict[str, Any]]:
-    import torch
-
-    from replaykv.model.checkpoint import build_model, load_model, weights_digest
+    from replaykv.model.checkpoint import build_model, load_model, place, weights_digest
     from replaykv.model.init import init_weights
     from replaykv.model.presets import get_preset
     from replaykv.server.settings import model_to_load
@@ -80,14 +86,20 @@ def _model(args: Any) -> tuple[Any, dict[str, Any]]:
     model: Any
     if found is None:
         config = get_preset(args.preset or "small")
-        model = init_weights(build_model(config), seed=args.seed).to(torch.device(args.device)).eval()
+        model = place(init_weights(build_model(config), seed=args.seed), args.device)
         name = f"preset {args.preset or 'small'} (random weights, seed {args.seed})"
     else:
         if not (found / "config.json").is_file():
-            raise UsageError(f"--model {found} holds no config.json (a model directory: config.json + safetensors)")
+            raise UsageError(
+                f"--model {found} holds no config.json (a model directory: config.json + safetensors)"
+            )
         model, name = load_model(found, device=args.device, dtype="float32").eval(), str(found)
     # the same identity an acceptance report gives the model (Engine.model_identity)
-    return model, {"name": name, "weights_sha256": weights_digest(model), "config_digest": model.config.digest()}
+    return model, {
+        "name": name,
+        "weights_sha256": weights_digest(model),
+        "config_digest": model.config.digest(),
+    }
 
 
 def _replace_section(path: Path, section: str) -> None:
@@ -128,7 +140,9 @@ def run(args: Any, argv: list[str]) -> int:
     families, offsets, paths = _csv(args.families), _csv(args.offsets), _csv(args.paths)
     for label in offsets:
         resolve_offset(label, 128)  # a bad label fails before any work
-    spec = StudySpec(families, _ints(args.lengths), args.prompts, offsets, paths, args.continuation, args.replay_span)
+    spec = StudySpec(
+        families, _ints(args.lengths), args.prompts, offsets, paths, args.continuation, args.replay_span
+    )
     model, info = _model(args)
     heldout = load_corpus(max_files=args.corpus_files)["heldout"]
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

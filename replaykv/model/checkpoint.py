@@ -13,11 +13,12 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from replaykv.model import native
 from replaykv.model.config import DeepseekV4Config
@@ -82,6 +83,9 @@ _TOP_LEVEL = {
     "hc_head_scale": "model.hc_head.hc_scale",
 }
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def to_transformers_names(state: dict[str, torch.Tensor], family: str = "v4") -> dict[str, torch.Tensor]:
@@ -232,8 +236,14 @@ def load_model(
             f"unexpected {sorted(unexpected)[:8]}"
         )
     cast_model(model, parse_dtype(dtype))
+    return place(model, device)
+
+
+def place(model: _M, device: str | torch.device) -> _M:
+    """The model on `device` for inference (eval mode). On the CPU the native kernels are built
+    now (once per machine, under a minute), so that no request pays for the build."""
     if torch.device(device).type == "cpu":
-        native.enabled()  # builds the native CPU kernels now (once per machine), not in a request
+        native.enabled()
     return model.to(torch.device(device)).eval()
 
 
