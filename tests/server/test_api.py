@@ -372,8 +372,11 @@ def test_disconnect_cancels_the_request(live: LiveServer, fake: FakeEngine) -> N
         assert r.status_code == 200
         next(r.iter_lines())  # one event, then hang up
     assert fake.handles[0].cancelled.wait(60), "a dropped stream must cancel its request"  # a hang guard
+    # 200 tokens at 50 ms each take 10 s: the client gives up after 2 s, long after the server
+    # has handed the request to the engine even on a loaded machine (0.3 s sometimes was not)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(live.url + C, json={**body, "stream": False}, headers=headers, timeout=0.3)
+        httpx.post(live.url + C, json={**body, "stream": False}, headers=headers, timeout=2.0)
+    assert len(fake.handles) == 2, "the second request never reached the engine"
     assert fake.handles[1].cancelled.wait(60), "a dropped request must be cancelled"
     assert not fake.handles[1].done.is_set()
 
