@@ -69,13 +69,27 @@ def linears(
     takes the same product for the same weights, so a row does not depend on the call."""
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return tuple(linear(x, w if dtype is None else cast(w, dtype)) for w in weights)
-    key = tuple((w._version, w.data_ptr(), w.device) for w in weights), dtype
-    cached = owner.__dict__.get("_stacked_weights")
+    stacked = derived(
+        owner,
+        f"_stacked_{dtype}",
+        lambda: torch.cat([w.detach() if dtype is None else cast(w.detach(), dtype) for w in weights]),
+        *weights,
+    )
+    return tuple(linear(x, stacked).split([w.shape[0] for w in weights], dim=-1))
+
+
+def derived(
+    owner: nn.Module, name: str, build: Callable[[], torch.Tensor], *sources: torch.Tensor
+) -> torch.Tensor:
+    """`build()`, kept on `owner` under `name` until one of `sources` changes (its version
+    counter, storage or device: an optimizer step, a load, a move). Built without autograd and
+    outside inference mode, so a later autograd pass may save it."""
+    key = tuple((t._version, t.data_ptr(), t.device) for t in sources)
+    cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
         with torch.inference_mode(False), torch.no_grad():
-            stacked = torch.cat([w.detach() if dtype is None else cast(w.detach(), dtype) for w in weights])
-        cached = owner.__dict__["_stacked_weights"] = (key, stacked)
-    return tuple(linear(x, cached[1]).split([w.shape[0] for w in weights], dim=-1))
+            cached = owner.__dict__[name] = (key, build())
+    return cached[1]
 
 
 class Linear(nn.Linear):
@@ -97,16 +111,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.usable(x, self.weight):
-            return native.rms_norm(x, self.weight, self.eps)
+        out = native.rms_norm(x, self.weight, self.eps)
+        if out is not None:
+            return out
         return cast(F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps), x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight, computed in float32, cast back to x's dtype (natively in one
     call where `native.usable`)."""
-    if native.usable(x):
-        return native.rms_norm(x, None, eps)
+    out = native.rms_norm(x, None, eps)
+    if out is not None:
+        return out
     return cast(F.rms_norm(x.float(), (x.shape[-1],), None, eps), x.dtype)
 
 
@@ -139,33 +155,28 @@ class HyperConnection(nn.Module):
         n, scale = self.hc_mult, self.scale
         if torch.is_grad_enabled() and scale.requires_grad:
             return scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
-        key = (scale._version, scale.data_ptr(), scale.device)
-        if getattr(self, "_scales_key", None) != key:
-            with torch.inference_mode(False), torch.no_grad():  # a normal tensor: autograd may save it
-                self._scales_cached = scale.repeat_interleave(
-                    torch.tensor([n, n, n * n], device=scale.device)
-                )
-            self._scales_key = key
-        return self._scales_cached
+        return derived(
+            self,
+            "_scales_cached",
+            lambda: scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device)),
+            scale,
+        )
 
     def _fn_t(self) -> torch.Tensor:
         """`fn` transposed and contiguous, for the native mixes; kept until `fn` changes."""
         fn = self.fn
-        key = (fn._version, fn.data_ptr(), fn.device)
-        if getattr(self, "_fn_t_key", None) != key:
-            with torch.inference_mode(False), torch.no_grad():
-                self._fn_t_cached = fn.detach().t().contiguous()
-            self._fn_t_key = key
-        return self._fn_t_cached
+        return derived(self, "_fn_t_cached", lambda: fn.detach().t().contiguous(), fn)
 
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (float32);
         in one native call per site where `native.usable` (inference on CPU float32)."""
         n = self.hc_mult
-        if native.usable(streams, self.fn, self.scale, self.base):
-            return native.hc_mixes(
+        if native.usable(streams, self.fn, self.scale, self.base):  # before building `_fn_t`
+            mixed = native.hc_mixes(
                 streams, self._fn_t(), self._scales(), self.base, self.norm_eps, self.hc_eps, self.iters
             )
+            if mixed is not None:
+                return mixed
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
         scales = self._scales()
         z = linear(flat, self.fn) * scales + self.base
@@ -264,8 +275,9 @@ class _Sinkhorn(torch.autograd.Function):
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Weighted sum of the streams: [B, S, n, D] x [B, S, n] -> [B, S, D] (natively in one pass
     where `native.usable`)."""
-    if native.usable(streams, pre):
-        return native.hc_collapse(streams, pre)
+    out = native.hc_collapse(streams, pre)
+    if out is not None:
+        return out
     return cast((pre.unsqueeze(-1) * streams).sum(dim=2), streams.dtype)
 
 
@@ -274,8 +286,9 @@ def hc_expand(
 ) -> torch.Tensor:
     """new_k = post_k * out + sum_j comb[j, k] * stream_j  -> [B, S, n, D] (natively in one pass
     where `native.usable`)."""
-    if native.usable(streams, out, post, comb):
-        return native.hc_expand(streams, out, post, comb)
+    new = native.hc_expand(streams, out, post, comb)
+    if new is not None:
+        return new
     dtype = streams.dtype
     return cast(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
         cast(comb, dtype).transpose(-1, -2), streams

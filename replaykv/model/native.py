@@ -128,21 +128,23 @@ def index_topk(
     return fn(q, w, keys, lim.to(torch.long), k, post_scale)
 
 
-def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """sum_k pre[..., k] * streams[..., k, :]: [..., n, D] x [..., n] -> [..., D]."""
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
+    """sum_k pre[..., k] * streams[..., k, :]: [..., n, D] x [..., n] -> [..., D]; None where
+    not `usable` (the caller keeps its torch path)."""
     if not usable(streams, pre):
-        raise _unusable()
+        return None
     out: torch.Tensor = _module.hc_collapse(streams, pre)
     return out
 
 
 def hc_expand(
     streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """post[..., k] * out + sum_j comb[..., j, k] * streams[..., j, :] for every k:
-    streams [..., n, D], out [..., D], post [..., n], comb [..., n, n] -> [..., n, D]."""
+    streams [..., n, D], out [..., D], post [..., n], comb [..., n, n] -> [..., n, D]; None
+    where not `usable`."""
     if not usable(streams, out, post, comb):
-        raise _unusable()
+        return None
     new: torch.Tensor = _module.hc_expand(streams, out, post, comb)
     return new
 
@@ -155,12 +157,12 @@ def hc_mixes(
     norm_eps: float,
     hc_eps: float,
     iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """An mHC site's (pre, post, comb) from streams [..., n, D] with fn_t [n·D, (2+n)·n] (the
     site's `fn` transposed), scale and base [(2+n)·n]: pre [..., n], post [..., n], comb [..., n,
-    n] (see `kernels/mhc_mixes.cpp` for the formula)."""
+    n] (see `kernels/mhc_mixes.cpp` for the formula); None where not `usable`."""
     if not usable(streams, fn_t, scale, base):
-        raise _unusable()
+        return None
     mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _module.hc_mixes(
         streams, fn_t, scale, base, norm_eps, hc_eps, iters
     )
@@ -170,21 +172,20 @@ def hc_mixes(
 _EMPTY = torch.empty(0)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps) over the last axis, times `weight` [D] when given."""
-    if not usable(x) if weight is None else not usable(x, weight):
-        raise _unusable()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """x / sqrt(mean(x²) + eps) over the last axis, times `weight` [D] when given; None where
+    not `usable`."""
+    if not usable(x, x if weight is None else weight):
+        return None
     out: torch.Tensor = _module.rms_norm(x, _EMPTY if weight is None else weight, eps)
     return out
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
     """`rope.apply_rope` where the tables are per row of x ([..., r] for x [..., D]) or per row
-    with a head axis of one ([..., 1, r] for x [..., H, D]); None for any other broadcast (the
-    caller keeps its torch path)."""
-    if not usable(x, cos, sin):
-        raise _unusable()
-    if sin.shape != cos.shape:
+    with a head axis of one ([..., 1, r] for x [..., H, D]); None for any other broadcast and
+    where not `usable` (the caller keeps its torch path)."""
+    if sin.shape != cos.shape or not usable(x, cos, sin):
         return None
     if cos.shape[:-1] == x.shape[:-1]:
         heads = 1
@@ -194,3 +195,4 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
         return None
     out: torch.Tensor = _module.rope(x, cos, sin, heads, inverse)
     return out
+

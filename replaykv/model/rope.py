@@ -69,10 +69,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     The products are those of (x0·c − x1·s, x1·c + x0·s), in float32 (natively in one call
     where `native.usable` and the tables are per row, with or without a head axis of one).
     """
-    if native.usable(x, cos, sin):
-        out = native.rope(x, cos, sin, inverse)
-        if out is not None:
-            return out
+    out = native.rope(x, cos, sin, inverse)
+    if out is not None:
+        return out
     r = cos.shape[-1]
     tail = x[..., x.shape[-1] - r :]
     if tail.dtype != torch.float32:

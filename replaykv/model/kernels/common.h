@@ -14,6 +14,12 @@ inline void check_float_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
 }
 
+// t is a float32 CPU tensor of `dims` dimensions.
+inline void check_dims(const torch::Tensor& t, int64_t dims, const char* name) {
+  TORCH_CHECK(t.dim() == dims, name, ": expected ", dims, " dimensions, got ", t.dim());
+  check_float_cpu(t, name);
+}
+
 // The sizes of t without its last `trailing` dimensions (t must have at least that many).
 inline std::vector<int64_t> lead_shape(const torch::Tensor& t, int64_t trailing, const char* name) {
   TORCH_CHECK(t.dim() >= trailing, name, ": expected at least ", trailing, " dimensions, got ", t.dim());

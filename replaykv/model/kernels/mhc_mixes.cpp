@@ -40,11 +40,6 @@ constexpr int64_t kChunk = 8;        // outputs whose accumulators stay in regis
 // or more machine vectors wide).
 typedef float Lanes __attribute__((vector_size(kBlock * sizeof(float))));
 
-void check(const torch::Tensor& t, int64_t dims, const char* name) {
-  TORCH_CHECK(t.dim() == dims, name, ": expected ", dims, " dimensions, got ", t.dim());
-  replaykv::check_float_cpu(t, name);
-}
-
 struct Site {
   const float* w_t;    // fn transposed [K, M]
   const float* scale;  // [M]
@@ -134,9 +129,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s
                                                                  double norm_eps, double hc_eps, int64_t iters) {
   replaykv::check_float_cpu(s, "hc_mixes streams");
   const auto lead = replaykv::lead_shape(s, 2, "hc_mixes streams");
-  check(fn_t, 2, "hc_mixes fn_t");
-  check(scale, 1, "hc_mixes scale");
-  check(base, 1, "hc_mixes base");
+  replaykv::check_dims(fn_t, 2, "hc_mixes fn_t");
+  replaykv::check_dims(scale, 1, "hc_mixes scale");
+  replaykv::check_dims(base, 1, "hc_mixes base");
   const int64_t t_len = replaykv::count(lead), n = s.size(-2), d = s.size(-1), k_len = n * d, m = (2 + n) * n;
   TORCH_CHECK(fn_t.size(0) == k_len && fn_t.size(1) == m, "hc_mixes: fn_t must be [n * D, (2 + n) * n]");
   TORCH_CHECK(scale.size(0) == m && base.size(0) == m, "hc_mixes: scale and base must have (2 + n) * n values");
