@@ -190,8 +190,9 @@ def joint_attention(
     win_keys: [B, W-1+S, D] window keys; row j sits at position p - W + 1 + j.
     sinks: [H] float32. entries: [B, N, D] compressed entries (or None) of a layer with `ratio`;
     selection: [B, S, k] selected entry ids (-1 = none) for sparse layers, None for dense layers.
-    Returns [B, S, H, D]. Queries go in blocks of about one window, so each block reads at most
-    2W - 1 window rows and the visible prefix of the entries.
+    Returns [B, S, H, D]. On CPU float32 without autograd one native pass per query
+    (`native.joint_attention`); otherwise queries go in blocks of about one window, so each
+    block reads at most 2W - 1 window rows and the visible prefix of the entries.
     """
     b, s, h, d = q.shape
     w = window
@@ -205,16 +206,20 @@ def joint_attention(
     if entries is not None and entries.shape[1] == 0:
         entries = None  # nothing is visible yet (an all -inf branch adds exactly nothing)
     limit = None if entries is None else causal_entry_limit(step.positions, ratio)
-    n_sel = 0 if selection is None else selection.shape[-1]
-    q_step = min(s, max(w, 64))
-    if selection is not None:
-        q_step = max(1, min(q_step, _BLOCK_BUDGET // max(1, b * n_sel * d)))
-    sink = sinks.float().view(1, 1, h)
     # With gradients (training), a block's queries score all its 2W - 1 window rows in one GEMM and
     # mask the rows outside each query's W: twice the products, several times faster forward and
     # backward than W-row reads per query, the same result up to float rounding. Without (every
     # engine path), each query reads exactly its own W rows.
     band = torch.is_grad_enabled() and (q.requires_grad or win_keys.requires_grad)
+    if not band:  # CPU float32 inference: one native pass per query
+        fast = native.joint_attention(q, win_keys, key_ok, sinks, entries, limit, selection, w, scale)
+        if fast is not None:
+            return fast
+    n_sel = 0 if selection is None else selection.shape[-1]
+    q_step = min(s, max(w, 64))
+    if selection is not None:
+        q_step = max(1, min(q_step, _BLOCK_BUDGET // max(1, b * n_sel * d)))
+    sink = sinks.float().view(1, 1, h)
     fused_blocks = band and fused.enabled()  # the training-only forms (replaykv.model.fused)
     if band:  # [Q, Q+W-1]: True where row j lies outside query i's window rows [i, i + W - 1]
         rows = torch.arange(q_step + w - 1, device=q.device)

@@ -172,8 +172,11 @@ def _call(name: str, *args: Any, full_precision: bool = True) -> Any:
         if _state["broken"]:
             raise
         _state["broken"] = True
-        log.warning("torch.compile of the fused mHC forms failed (%s: %s); training continues eagerly",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        log.warning(
+            "torch.compile of the fused mHC forms failed (%s: %s); training continues eagerly",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
         return _EAGER[name](*args)
 
 

@@ -8,7 +8,10 @@ score tensor, no separate top-k. `hc_collapse` and `hc_expand` are the mHC sites
 mixes (`kernels/mhc_mixes.cpp`: RMS norm, product, sigmoids, softmax and Sinkhorn) per token
 in one call instead of a dozen operations and 2·iters − 1 normalisations. `rms_norm` and
 `rope` (`kernels/rows.cpp`) are the RMS norm and the rotary embedding, one call each instead of
-several kernels (decode steps make dozens of these calls).
+several kernels (decode steps make dozens of these calls). `joint_attention` is the attention
+of every layer (`kernels/attention.cpp`): a query's softmax over its window keys, compressed
+entries and sink in one pass, instead of an unfold copy, masks and a dozen products and
+reductions per block of queries.
 
 They are built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`; under a
 minute with the system's C++ compiler) for the CPU they run on, and used for every CPU float32
@@ -38,7 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp", "mhc_mixes.cpp", "rows.cpp")
+_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp", "mhc_mixes.cpp", "rows.cpp", "attention.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -170,6 +173,8 @@ def hc_mixes(
 
 
 _EMPTY = torch.empty(0)
+_EMPTY_BOOL = torch.empty(0, dtype=torch.bool)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
@@ -196,3 +201,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     out: torch.Tensor = _module.rope(x, cos, sin, heads, inverse)
     return out
 
+
+def joint_attention(
+    q: torch.Tensor,
+    win_keys: torch.Tensor,
+    key_ok: torch.Tensor | None,
+    sinks: torch.Tensor,
+    entries: torch.Tensor | None,
+    limit: torch.Tensor | None,
+    selection: torch.Tensor | None,
+    window: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """`attention.joint_attention` for inference, one pass per query (`kernels/attention.cpp`):
+    q [B, S, H, D], win_keys [B, W-1+S, D], key_ok [B, W-1+S] bool (None: all readable), sinks
+    [H], entries [B, N, D] with `limit` [B, S] (dense: entries visible per query) or `selection`
+    [B, S, k] (sparse, -1 none) -> [B, S, H, D]; None where not `usable`."""
+    if not usable(q, win_keys, sinks) or (entries is not None and not usable(entries)):
+        return None
+    out: torch.Tensor = _module.joint_attention(
+        q,
+        win_keys,
+        _EMPTY_BOOL if key_ok is None else key_ok,
+        sinks,
+        _EMPTY if entries is None else entries,
+        _EMPTY_LONG if entries is None or selection is not None or limit is None else limit.to(torch.long),
+        _EMPTY_LONG if entries is None or selection is None else selection.to(torch.long),
+        window,
+        scale,
+    )
+    return out

@@ -10,6 +10,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s
                                                                  double norm_eps, double hc_eps, int64_t iters);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor key_ok, torch::Tensor sinks,
+                              torch::Tensor entries, torch::Tensor limit, torch::Tensor sel, int64_t window,
+                              double scale);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool inverse);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,5 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of each row, optionally weighted");
   m.def("rope", &rope, "rotary embedding of each head's trailing channels");
   m.def("hc_mixes", &hc_mixes, "mHC mixes: RMS norm, product, sigmoids, softmax and Sinkhorn per token");
+  m.def("joint_attention", &joint_attention,
+        "DeepSeek-V4's joint attention over window keys, compressed entries and sinks, per query");
   m.def("hc_expand", &hc_expand, "mHC expand: post[t, k] * out[t, :] + sum_j comb[t, j, k] * s[t, j, :]");
 }
