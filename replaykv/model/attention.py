@@ -35,6 +35,7 @@ from replaykv.model.layers import (
     RMSNorm,
     cast,
     linears,
+    native_weight,
     rowwise,
     unweighted_rms_norm,
 )
@@ -346,11 +347,19 @@ def _block_entries(
     return kc, sel < 0, True
 
 
-def grouped_projection(o: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_projection(
+    o: torch.Tensor, weight: torch.Tensor, groups: int, owner: nn.Module | None = None
+) -> torch.Tensor:
     """The block-diagonal first half of the output projection: heads in `groups` contiguous
     groups, each projected by its slice of `weight` [G·o_lora, H·D/G]. o [B, S, H, D] ->
-    [B, S, G·o_lora]. Few rows are padded as in `linear`."""
+    [B, S, G·o_lora]. Natively as `linear` where `native.usable` (the kernel's form of the
+    weight kept on `owner`), else with few rows padded as in `linear`."""
     b, s = o.shape[:2]
+    wg = weight.view(groups, -1, weight.shape[-1])  # [G, o_lora, H*D/G]
+    if owner is not None and (wt := native_weight(owner, wg, "_grouped_native")) is not None:
+        out = native.linear(o.reshape(b, s, groups, -1), wg, wt)
+        if out is not None:
+            return out.view(b, s, -1)
     grouped = o.reshape(b * s, groups, -1)
     if b * s < MIN_GEMM_ROWS:
         grouped = torch.cat([grouped, grouped[:1].expand(MIN_GEMM_ROWS - b * s, -1, -1)])
@@ -443,4 +452,4 @@ class Attention(nn.Module):
 
         o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
-        return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups))
+        return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups, self.o_a_proj))

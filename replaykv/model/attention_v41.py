@@ -209,7 +209,7 @@ class AttentionV41(nn.Module):
                 entries = cast(cache.entries[:, :n], q.dtype)
         o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
-        return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups))
+        return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups, self.o_a_proj))
 
     def queries(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from replaykv.model.cache_view import CompressorCarry
-from replaykv.model.layers import Linear, RMSNorm, cast, linear, linears
+from replaykv.model.layers import Linear, RMSNorm, cast, linear, linears, native_weight
 from replaykv.model.step import Step
 
 
@@ -88,7 +88,8 @@ class Compressor(nn.Module):
         """x [B, S, hidden], positions [B, S] -> float32 (kv, gate + position bias) [B, S, width]."""
         xf = cast(x, torch.float32)
         if self.gate_proj is None:
-            return linear(xf, cast(self.kv_proj.weight, torch.float32)), None
+            w = cast(self.kv_proj.weight, torch.float32)
+            return linear(xf, w, native_weight(self.kv_proj, w)), None
         kv, gate = linears(xf, self, self.kv_proj.weight, self.gate_proj.weight, dtype=torch.float32)
         if self.position_bias is not None:
             gate = gate + self.position_bias[positions.remainder(self.ratio)]

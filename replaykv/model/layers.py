@@ -48,8 +48,13 @@ def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> tuple[torch.Tensor, 
     return torch.cat([x, x[:1].expand(rows - m, -1)]), m
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T whose value for a row does not depend on how many rows come with it."""
+def linear(x: torch.Tensor, weight: torch.Tensor, wt: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T whose value for a row does not depend on how many rows come with it: natively
+    where `native.usable` (`wt`: the weight as the kernel reads it, `native_weight`), else BLAS
+    with fewer than `MIN_GEMM_ROWS` rows padded to that many."""
+    out = native.linear(x, weight, wt)
+    if out is not None:
+        return out
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows >= MIN_GEMM_ROWS or rows == 0:
@@ -75,7 +80,18 @@ def linears(
         lambda: torch.cat([w.detach() if dtype is None else cast(w.detach(), dtype) for w in weights]),
         *weights,
     )
-    return tuple(linear(x, stacked).split([w.shape[0] for w in weights], dim=-1))
+    wt = native_weight(owner, stacked, f"_stacked_native_{dtype}")
+    return tuple(linear(x, stacked, wt).split([w.shape[0] for w in weights], dim=-1))
+
+
+def native_weight(
+    owner: nn.Module, weight: torch.Tensor, name: str = "_native_weight"
+) -> torch.Tensor | None:
+    """`native.linear_weight(weight)`, kept on `owner` until the weight changes; None where the
+    native product does not run for it (autograd records it, not CPU float32, kernels off)."""
+    if not native.usable(weight):
+        return None
+    return derived(owner, name, lambda: native.linear_weight(weight), weight)
 
 
 def derived(
@@ -99,7 +115,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, native_weight(self, self.weight))
 
 
 class RMSNorm(nn.Module):
@@ -310,6 +326,8 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
         pre = rowwise(
-            torch.sigmoid, linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
+            torch.sigmoid,
+            linear(flat, fn := self.hc_fn.float(), native_weight(self, fn)) * self.hc_scale.float()
+            + self.hc_base.float(),
         )
         return hc_collapse(streams, pre + self.eps)

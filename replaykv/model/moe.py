@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replaykv.model.config import DeepseekV4Config
-from replaykv.model.layers import Linear, cast, linear, linears, rowwise
+from replaykv.model.layers import Linear, cast, linear, linears, native_weight, rowwise
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -67,6 +67,7 @@ class Experts(nn.Module):
         # of rows, so a token's result does not depend on what it was batched with.
         # index_select and cat rather than indexed writes: the same values, and a backward of
         # index_add and slices instead of accumulating index_put (a tenth of a training step).
+        gate_up_wt, down_wt = self._native_weights()
         flat_idx = indices.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
@@ -77,17 +78,27 @@ class Experts(nn.Module):
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            gate, up = linear(x_sorted[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
+            gate, up = linear(x_sorted[start : start + c], self.gate_up_proj[e], _at(gate_up_wt, e)).chunk(
+                2, dim=-1
+            )
             act = clamped_swiglu(gate, up, self.limit)
             if weight_before_down:
                 act = cast(cast(act, torch.float32) * w_sorted[start : start + c, None], x.dtype)
-            outs.append(linear(act, self.down_proj[e]))
+            outs.append(linear(act, self.down_proj[e], _at(down_wt, e)))
             start += c
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         y = torch.cat(outs).index_select(0, inverse)
         if weight_before_down:
             return y.view(t, k, -1).sum(dim=1)
         return (y.view(t, k, -1) * cast(weights.unsqueeze(-1), x.dtype)).sum(dim=1)
+
+    def _native_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every expert's weights as the native product reads them (kept until they change), or
+        None where it does not run."""
+        return (
+            native_weight(self, self.gate_up_proj, "_gate_up_native"),
+            native_weight(self, self.down_proj, "_down_native"),
+        )
 
     def _one_token(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, weight_before_down: bool
@@ -96,16 +107,21 @@ class Experts(nn.Module):
         values of the sorted path (a token's rows through the same one-row products, the same
         sum over picks) without its sort, counts and inverse permutation."""
         outs = []
+        gate_up_wt, down_wt = self._native_weights()
         for j, e in enumerate(indices[0].tolist()):
-            gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_proj[e], _at(gate_up_wt, e)).chunk(2, dim=-1)
             act = clamped_swiglu(gate, up, self.limit)
             if weight_before_down:
                 act = cast(cast(act, torch.float32) * weights[:, j : j + 1], x.dtype)
-            outs.append(linear(act, self.down_proj[e]))
+            outs.append(linear(act, self.down_proj[e], _at(down_wt, e)))
         y = torch.cat(outs)
         if weight_before_down:
             return y.view(1, len(outs), -1).sum(dim=1)
         return (y.view(1, len(outs), -1) * cast(weights.unsqueeze(-1), x.dtype)).sum(dim=1)
+
+
+def _at(weights: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if weights is None else weights[e]
 
 
 class Router(nn.Module):
@@ -137,7 +153,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], input_ids [T] -> (indices [T, k], weights [T, k])."""
-        scores = rowwise(F.softplus, linear(x, self.weight)).sqrt()
+        scores = rowwise(F.softplus, linear(x, self.weight, native_weight(self, self.weight))).sqrt()
         if self.hashed:
             indices = self.tid2eid[input_ids].long()
         else:
@@ -194,7 +210,8 @@ class RouterV41(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # training in bf16: the logits stay float32
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x, image)
-        logits = linear(cast(x, torch.float32), cast(self.weight, torch.float32))
+        w = cast(self.weight, torch.float32)
+        logits = linear(cast(x, torch.float32), w, native_weight(self, w))
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp
         scores = rowwise(F.softplus, logits).sqrt()

@@ -8,7 +8,10 @@ score tensor, no separate top-k. `hc_collapse` and `hc_expand` are the mHC sites
 mixes (`kernels/mhc_mixes.cpp`: RMS norm, product, sigmoids, softmax and Sinkhorn) per token
 in one call instead of a dozen operations and 2·iters − 1 normalisations. `rms_norm` and
 `rope` (`kernels/rows.cpp`) are the RMS norm and the rotary embedding, one call each instead of
-several kernels (decode steps make dozens of these calls). `joint_attention` is the attention
+several kernels (decode steps make dozens of these calls). `linear` is every matrix product
+with a weight (`kernels/linear.cpp`): each output one chain of multiply-adds in input order, so
+a decode row equals its prefill row on any CPU without padding a row to the 16 that BLAS needs
+for that (a sixteenth of the arithmetic). `joint_attention` is the attention
 of every layer (`kernels/attention.cpp`): a query's softmax over its window keys, compressed
 entries and sink in one pass, instead of an unfold copy, masks and a dozen products and
 reductions per block of queries.
@@ -41,7 +44,15 @@ import torch
 log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCES = ("module.cpp", "index_topk.cpp", "mhc.cpp", "mhc_mixes.cpp", "rows.cpp", "attention.cpp")
+_SOURCES = (
+    "module.cpp",
+    "index_topk.cpp",
+    "mhc.cpp",
+    "mhc_mixes.cpp",
+    "rows.cpp",
+    "attention.cpp",
+    "linear.cpp",
+)
 _lock = threading.Lock()
 _module: Any = None
 _failed: str | None = None
@@ -65,6 +76,9 @@ def _load() -> Any:
     with _lock:
         if _module is not None or _failed is not None:
             return _module
+        if os.environ.get("REPLAYKV_NATIVE", "1") == "0":  # read once, on the first call that asks
+            _failed = "turned off by REPLAYKV_NATIVE=0"
+            return None
         try:
             from torch.utils import cpp_extension
 
@@ -88,7 +102,7 @@ def _load() -> Any:
 def enabled() -> bool:
     """Whether this thread's CPU calls go through the native kernels (they load on the first
     call that asks)."""
-    if getattr(_off, "depth", 0) or os.environ.get("REPLAYKV_NATIVE", "1") == "0":
+    if getattr(_off, "depth", 0):
         return False
     return _load() is not None
 
@@ -230,4 +244,24 @@ def joint_attention(
         window,
         scale,
     )
+    return out
+
+
+def linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (or [G, N, K]) as `linear` reads it: transposed, N padded with zeros to a
+    multiple of 16 ([K, Np] or [G, K, Np]). For a weight used more than once, keep it
+    (`layers.native_weight`). Only where `usable(w)`."""
+    with torch.no_grad():
+        wt: torch.Tensor = _module.linear_weight(w.detach())
+    return wt
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, wt: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K].T (or x [..., G, K] with weight [G, N, K], each group its own
+    product) with every output one chain of multiply-adds in input order (`kernels/linear.cpp`),
+    so a row's values do not depend on the rows it comes with; `wt`: `linear_weight(weight)`
+    when the caller keeps it. None where not `usable`."""
+    if not usable(x, weight):
+        return None
+    out: torch.Tensor = _module.linear(x, linear_weight(weight) if wt is None else wt, weight.shape[-2])
     return out

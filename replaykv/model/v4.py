@@ -24,6 +24,7 @@ from replaykv.model.layers import (
     hc_collapse,
     hc_expand,
     linear,
+    native_weight,
 )
 from replaykv.model.moe import MoE
 from replaykv.model.rope import inv_freq
@@ -129,7 +130,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def head(self, state: Residual) -> torch.Tensor:
         hidden = self.model.norm(self.model.hc_head(state.streams))
-        return linear(hidden.float(), self.lm_head.weight.float())
+        return linear(hidden.float(), w := self.lm_head.weight.float(), native_weight(self.lm_head, w))
 
     def forward(self, input_ids: torch.Tensor, cache: CacheView, logits_rows: str = "all") -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, vocab] ("all") or [B, 1, vocab] ("last"), float32."""
@@ -139,4 +140,4 @@ class DeepseekV4ForCausalLM(nn.Module):
             hidden = hidden[:, -1:]
         elif logits_rows == "none":
             return hidden[:, :0].new_zeros(hidden.shape[0], 0, self.config.vocab_size).float()
-        return linear(hidden.float(), self.lm_head.weight.float())
+        return linear(hidden.float(), w := self.lm_head.weight.float(), native_weight(self.lm_head, w))

@@ -35,6 +35,7 @@ from replaykv.model.layers import (
     hc_collapse,
     hc_expand,
     linear,
+    native_weight,
 )
 from replaykv.model.moe import MoEV41
 from replaykv.model.rope import inv_freq
@@ -162,7 +163,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def head(self, state: Residual) -> torch.Tensor:
         """Final collapse with the last pre-mix, norm, float32 logits [B, S, vocab]."""
         hidden = self.model.norm(hc_collapse(state.streams, state.pre_mix))
-        return linear(hidden.float(), self.lm_head.weight.float())
+        return linear(hidden.float(), w := self.lm_head.weight.float(), native_weight(self.lm_head, w))
 
     def forward(
         self,

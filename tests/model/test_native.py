@@ -117,8 +117,12 @@ def test_switches_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
                 torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1), torch.zeros(1, 1, 16), torch.ones(1, 1), 1
             )
     assert native.usable(t) and not native.usable(t.double())
-    monkeypatch.setenv("REPLAYKV_NATIVE", "0")
+    monkeypatch.setenv("REPLAYKV_NATIVE", "0")  # read when a process first asks: ask afresh
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failed", None)
     assert not native.usable(t)
+    with pytest.raises(RuntimeError, match="REPLAYKV_NATIVE=0"):
+        native.index_topk(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1), torch.zeros(1, 1, 16), torch.ones(1, 1), 1)
 
 
 def test_a_failed_build_falls_back_and_says_why(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]

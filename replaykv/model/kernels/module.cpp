@@ -13,6 +13,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor key_ok, torch::Tensor sinks,
                               torch::Tensor entries, torch::Tensor limit, torch::Tensor sel, int64_t window,
                               double scale);
+torch::Tensor linear_weight(torch::Tensor w);
+torch::Tensor linear(torch::Tensor x, torch::Tensor wt, int64_t n);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool inverse);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,5 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_mixes", &hc_mixes, "mHC mixes: RMS norm, product, sigmoids, softmax and Sinkhorn per token");
   m.def("joint_attention", &joint_attention,
         "DeepSeek-V4's joint attention over window keys, compressed entries and sinks, per query");
+  m.def("linear_weight", &linear_weight, "w transposed, its outputs padded to a multiple of 16, for linear");
+  m.def("linear", &linear, "x w^T with each output one chain of multiply-adds in input order");
   m.def("hc_expand", &hc_expand, "mHC expand: post[t, k] * out[t, :] + sum_j comb[t, j, k] * s[t, j, :]");
 }
