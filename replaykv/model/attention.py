@@ -184,11 +184,14 @@ def joint_attention(
     entries: torch.Tensor | None = None,
     ratio: int = 0,
     selection: torch.Tensor | None = None,
+    ring_first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One softmax over window keys, visible compressed entries and the sink.
 
     q: [B, S, H, D] rotated queries; query i (position p + i) reads window rows j in [i, i + W - 1].
-    win_keys: [B, W-1+S, D] window keys; row j sits at position p - W + 1 + j.
+    win_keys: [B, W-1+S, D] window keys; row j sits at position p - W + 1 + j. With `ring_first`
+    [B], a ring [B, R, D] instead, whose slot (ring_first + j) % R holds row j (a decode step reads
+    the cache's window in place).
     sinks: [H] float32. entries: [B, N, D] compressed entries (or None) of a layer with `ratio`;
     selection: [B, S, k] selected entry ids (-1 = none) for sparse layers, None for dense layers.
     Returns [B, S, H, D]. On CPU float32 without autograd one native pass per query
@@ -198,7 +201,6 @@ def joint_attention(
     b, s, h, d = q.shape
     w = window
     scale = d**-0.5
-    out = torch.empty_like(q)
     all_ok = step.window_unclipped(w)
     key_ok = None  # [B, W-1+S]: which window rows are readable, needed only when some are not
     if not all_ok:
@@ -213,9 +215,14 @@ def joint_attention(
     # engine path), each query reads exactly its own W rows.
     band = torch.is_grad_enabled() and (q.requires_grad or win_keys.requires_grad)
     if not band:  # CPU float32 inference: one native pass per query
-        fast = native.joint_attention(q, win_keys, key_ok, sinks, entries, limit, selection, w, scale)
+        fast = native.joint_attention(
+            q, win_keys, key_ok, sinks, entries, limit, selection, w, scale, ring_first
+        )
         if fast is not None:
             return fast
+    if ring_first is not None:  # the rows in order: slot (ring_first + j) % R is row j
+        win_keys = ordered_ring(win_keys, ring_first + w - 1 + s, w - 1 + s)
+    out = torch.empty_like(q)
     n_sel = 0 if selection is None else selection.shape[-1]
     q_step = min(s, max(w, 64))
     if selection is not None:
@@ -426,10 +433,14 @@ class Attention(nn.Module):
         q = apply_rope(q, cos_h, sin_h)
 
         kv = apply_rope(self.kv_norm(kv_a), cos, sin)  # [B, S, D]
-        if s == 1:  # decode: write the slot, then read the window in position order
+        ring_first = None
+        if s == 1:  # decode: write the slot, then read the window (in place where its dtype allows)
             slots = step.start.remainder(w)
             cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
-            win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
+            if cache.window.dtype == kv.dtype:
+                win_keys, ring_first = cache.window, step.start + 1 - w
+            else:
+                win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
         else:
             win_keys = torch.cat([cast(ordered_ring(cache.window, step.start, w - 1), kv.dtype), kv], dim=1)
             write_ring(cache.window, kv, step.start)
@@ -450,6 +461,6 @@ class Attention(nn.Module):
                     )
                 selection = self.indexer.select(x, q_res, cache.index_keys[:, :n], step, self.rope_kind)
 
-        o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection)
+        o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, selection, ring_first)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
         return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups, self.o_a_proj))

@@ -182,10 +182,14 @@ class AttentionV41(nn.Module):
         q_res, q = self.queries(x, cos_h, sin_h)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         kv = fp8_window_fake_quant(kv, enabled=self.quant)  # [B, S, D]
-        if s == 1:  # decode: write the slot, then read the window in position order
+        ring_first = None
+        if s == 1:  # decode: write the slot, then read the window (in place where its dtype allows)
             slots = step.start.remainder(w)
             cache.window[torch.arange(b, device=x.device), slots] = cast(kv[:, 0], cache.window.dtype)
-            win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
+            if cache.window.dtype == kv.dtype:
+                win_keys, ring_first = cache.window, step.start + 1 - w
+            else:
+                win_keys = cast(ordered_ring(cache.window, step.start + 1, w), kv.dtype)
         else:
             earlier = ordered_ring(cache.window, step.start, w - 1)
             if step.context is not None:  # a sequence shard: the previous shard's last rows
@@ -207,7 +211,7 @@ class AttentionV41(nn.Module):
             chosen = selection.topk
             if chosen is not None:
                 entries = cast(cache.entries[:, :n], q.dtype)
-        o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen)
+        o = joint_attention(q, win_keys, step, w, self.sinks, entries, self.ratio, chosen, ring_first)
         o = apply_rope(o, cos_h, sin_h, inverse=True)
         return self.o_b_proj(grouped_projection(o, self.o_a_proj.weight, self.o_groups, self.o_a_proj))
 

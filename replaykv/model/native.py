@@ -226,9 +226,11 @@ def joint_attention(
     selection: torch.Tensor | None,
     window: int,
     scale: float,
+    ring_first: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """`attention.joint_attention` for inference, one pass per query (`kernels/attention.cpp`):
-    q [B, S, H, D], win_keys [B, W-1+S, D], key_ok [B, W-1+S] bool (None: all readable), sinks
+    q [B, S, H, D], win_keys [B, W-1+S, D] (or with `ring_first` [B] a ring [B, R, D] whose slot
+    (ring_first + j) % R holds window row j), key_ok [B, W-1+S] bool (None: all readable), sinks
     [H], entries [B, N, D] with `limit` [B, S] (dense: entries visible per query) or `selection`
     [B, S, k] (sparse, -1 none) -> [B, S, H, D]; None where not `usable`."""
     if not usable(q, win_keys, sinks) or (entries is not None and not usable(entries)):
@@ -236,6 +238,7 @@ def joint_attention(
     out: torch.Tensor = _module.joint_attention(
         q,
         win_keys,
+        _EMPTY_LONG if ring_first is None else ring_first.to(torch.long),
         _EMPTY_BOOL if key_ok is None else key_ok,
         sinks,
         _EMPTY if entries is None else entries,

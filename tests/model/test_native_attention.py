@@ -11,6 +11,7 @@ import torch
 
 from replaykv.model import native
 from replaykv.model.attention import joint_attention
+from replaykv.model.compressor import write_ring
 from replaykv.model.step import RopeTables, Step
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernel not buildable here")
@@ -151,3 +152,29 @@ def test_bad_operands_get_a_clear_error() -> None:
         native.joint_attention(
             torch.zeros(1, 3, 2, 8), torch.zeros(1, 5, 8), None, torch.zeros(2), None, None, None, 4, 1.0
         )
+
+
+def test_a_ring_read_in_place_equals_its_rows_in_order() -> None:
+    """A decode step reads the cache's window ring in place: slot (ring_first + j) % R is row j."""
+    g = torch.Generator().manual_seed(5)
+    b, h, d, w, ratio = 2, 4, 64, 16, 4
+    start = torch.tensor([40, 7])  # one row wrapped around the ring, one not yet full
+    floors = torch.tensor([0, 3])
+    history = torch.randn(b, 41, d, generator=g)
+    ring = torch.zeros(b, w, d)
+    for r, p in enumerate(start.tolist()):  # positions 0 .. p of each row
+        write_ring(ring[r : r + 1], history[r : r + 1, : p + 1], torch.zeros(1, dtype=torch.long))
+    rows = torch.stack([history[r, int(p) + 1 - w + torch.arange(w)] for r, p in enumerate(start)])
+    positions = start[:, None]
+    step = Step(positions, start, (40, 7), floors, (0, 3), RopeTables.build({}, positions))
+    q, sinks = torch.randn(b, 1, h, d, generator=g), torch.randn(h, generator=g)
+    entries = torch.randn(b, 11, d, generator=g)
+    with torch.inference_mode():
+        in_order = joint_attention(q, rows, step, w, sinks, entries, ratio)
+        in_place = joint_attention(q, ring, step, w, sinks, entries, ratio, ring_first=start + 1 - w)
+        assert torch.equal(in_place, in_order)
+        with native.disabled():  # the torch path puts the rows in order first
+            torch_order = joint_attention(q, rows, step, w, sinks, entries, ratio)
+            torch_ring = joint_attention(q, ring, step, w, sinks, entries, ratio, ring_first=start + 1 - w)
+        assert torch.equal(torch_ring, torch_order)
+    torch.testing.assert_close(in_place, torch_order, rtol=1e-5, atol=1e-6)

@@ -99,14 +99,15 @@ inline Lanes exp_le0(Lanes x) {
 
 struct Operands {
   const float* q;        // [B, S, H, D]
-  const float* win;      // [B, W - 1 + S, D]
+  const float* win;      // [B, W - 1 + S, D], or a ring [B, R, D] (ring_first given)
+  const int64_t* ring_first;  // [B]: the ring slot of window row 0, or null
   const bool* key_ok;    // [B, W - 1 + S] or null (every window row readable)
   const float* sinks;    // [H]
   const float* entries;  // [B, N, D] or null
   const int64_t* limit;  // [B, S] entries visible (dense) or null
   const int64_t* sel;    // [B, S, k] selected ids (sparse) or null
   float* out;            // [B, S, H, D]
-  int64_t s, h, d, w, n, k;
+  int64_t s, h, d, w, n, k, ring;
   float scale;
 };
 
@@ -121,8 +122,13 @@ bool attend(const Operands& o, int64_t b, int64_t i, Scratch& sc) {
   const int64_t h_len = o.h, d = o.d, w = o.w, win_rows = w - 1 + o.s;
   auto& rows = sc.rows;
   rows.clear();
-  for (int64_t j = i; j < i + w; ++j)
-    if (o.key_ok == nullptr || o.key_ok[b * win_rows + j]) rows.push_back(o.win + (b * win_rows + j) * d);
+  for (int64_t j = i; j < i + w; ++j) {
+    if (o.key_ok != nullptr && !o.key_ok[b * win_rows + j]) continue;
+    if (o.ring_first == nullptr)
+      rows.push_back(o.win + (b * win_rows + j) * d);
+    else
+      rows.push_back(o.win + (b * o.ring + (o.ring_first[b] + j) % o.ring) * d);
+  }
   if (o.entries != nullptr) {
     const float* ent = o.entries + b * o.n * d;
     if (o.sel != nullptr) {
@@ -193,20 +199,32 @@ bool attend(const Operands& o, int64_t b, int64_t i, Scratch& sc) {
 
 }  // namespace
 
-// q [B, S, H, D]; win [B, W - 1 + S, D] (query i reads rows i .. i + W - 1); key_ok [B, W - 1 + S]
-// bool or empty; sinks [H]; entries [B, N, D] or empty; limit [B, S] int64 (dense: entries each
-// query sees) or empty; sel [B, S, k] int64 (sparse: selected ids, -1 none) or empty -> [B, S, H, D]
-torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor key_ok, torch::Tensor sinks,
-                              torch::Tensor entries, torch::Tensor limit, torch::Tensor sel, int64_t window,
-                              double scale) {
+// q [B, S, H, D]; win [B, W - 1 + S, D] (query i reads rows i .. i + W - 1), or with ring_first
+// [B] int64 a ring [B, R, D] whose slot (ring_first[b] + j) % R holds window row j; key_ok
+// [B, W - 1 + S] bool or empty; sinks [H]; entries [B, N, D] or empty; limit [B, S] int64 (dense:
+// entries each query sees) or empty; sel [B, S, k] int64 (sparse: selected ids, -1 none) or
+// empty -> [B, S, H, D]
+torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor ring_first, torch::Tensor key_ok,
+                              torch::Tensor sinks, torch::Tensor entries, torch::Tensor limit, torch::Tensor sel,
+                              int64_t window, double scale) {
   replaykv::check_dims(q, 4, "joint_attention q");
   const int64_t b = q.size(0), s = q.size(1), h = q.size(2), d = q.size(3), w = window;
   TORCH_CHECK(w >= 1, "joint_attention: window must be at least 1");
-  replaykv::expect(win, {b, w - 1 + s}, {d}, "joint_attention win");
+  const bool ring = ring_first.numel() > 0;
+  if (ring) {
+    replaykv::check_dims(win, 3, "joint_attention ring");
+    TORCH_CHECK(win.size(0) == b && win.size(2) == d && win.size(1) >= 1, "joint_attention: the ring does not match q");
+    TORCH_CHECK(ring_first.scalar_type() == torch::kLong && ring_first.dim() == 1 && ring_first.size(0) == b,
+                "joint_attention: ring_first must be int64 [B]");
+    ring_first = ring_first.remainder(win.size(1)).contiguous();  // a slot in [0, R)
+  } else {
+    replaykv::expect(win, {b, w - 1 + s}, {d}, "joint_attention win");
+  }
   replaykv::expect(sinks, {}, {h}, "joint_attention sinks");
   const bool masked = key_ok.numel() > 0, has_entries = entries.numel() > 0, sparse = sel.numel() > 0;
   if (masked) {
-    TORCH_CHECK(key_ok.scalar_type() == torch::kBool && key_ok.sizes().equals(win.sizes().slice(0, 2)),
+    TORCH_CHECK(key_ok.scalar_type() == torch::kBool && key_ok.dim() == 2 && key_ok.size(0) == b &&
+                    key_ok.size(1) == w - 1 + s,
                 "joint_attention: key_ok must be bool [B, W - 1 + S]");
     key_ok = key_ok.contiguous();
   }
@@ -235,6 +253,7 @@ torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor 
   if (b * s * h == 0) return out;
   const Operands ops{q.data_ptr<float>(),
                      win.data_ptr<float>(),
+                     ring ? ring_first.data_ptr<int64_t>() : nullptr,
                      masked ? key_ok.data_ptr<bool>() : nullptr,
                      sinks.data_ptr<float>(),
                      has_entries ? entries.data_ptr<float>() : nullptr,
@@ -247,6 +266,7 @@ torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor 
                      w,
                      n,
                      k,
+                     ring ? win.size(1) : 0,
                      static_cast<float>(scale)};
   const int64_t per_query = h * d * (w + (sparse ? k : n));
   std::atomic<bool> bad{false};

@@ -3,7 +3,7 @@
 // score(i, j) = sum_h w[i, h] * (relu(q[i, h] . keys[j]) * post_scale), each query against the
 // entries j < lim[i]; the best k per query, ranked by score descending and then index ascending
 // (NaN above every number), -1 where fewer are visible. No [Q, H, N] or [Q, N] tensor is built:
-// the keys are laid out in transposed tiles once, a tile is scored by every query of a unit, and each query keeps
+// a unit of queries transposes each tile of keys it reaches once and scores it for all its queries, and each query keeps
 // its best k in a small buffer that a new entry enters only when it ranks above the buffer's
 // worst.
 //
@@ -110,8 +110,8 @@ struct Best {  // one query's best entries so far, a heap with the last-ranked i
   }
 };
 
-// Queries [i0, i1) of batch row b.
-void select_rows(const float* q, const float* w, const float* tiles, const int64_t* lim, int64_t* out,
+// Queries [i0, i1) of batch row b; keys [n, d] of that row.
+void select_rows(const float* q, const float* w, const float* keys, const int64_t* lim, int64_t* out,
                  int64_t n, int64_t h, int64_t d, int64_t k, float post_scale, int64_t i0, int64_t i1) {
   const int64_t rows = i1 - i0;
   std::vector<Entry> kept(rows * k);
@@ -122,9 +122,12 @@ void select_rows(const float* q, const float* w, const float* tiles, const int64
     reach = std::max(reach, std::min(lim[i0 + r], n));
   }
   alignas(64) float score[kTile];
+  std::vector<V> tile_buf(d * kV);  // one tile transposed, [d, kTile], zero past the last entry
+  float* tile = reinterpret_cast<float*>(tile_buf.data());
   for (int64_t j0 = 0; j0 < reach; j0 += kTile) {
     const int64_t width = std::min(kTile, reach - j0);
-    const float* tile = tiles + j0 * d;  // [d, kTile], zero past the last entry
+    for (int64_t t = 0; t < kTile; ++t)
+      for (int64_t c = 0; c < d; ++c) tile[c * kTile + t] = t < width ? keys[(j0 + t) * d + c] : 0.0f;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       const int64_t visible = std::min(lim[i], n) - j0;
@@ -173,13 +176,7 @@ torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, t
   if (k == 0 || nq == 0 || n == 0) return out;
   const float* qp = q.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  // The keys in tiles of kTile entries, each tile transposed ([B, tiles, D, kTile], zero past the
-  // last entry): every tile one contiguous block that the vector loop reads in order.
-  const int64_t n_tiles = (n + kTile - 1) / kTile;
-  auto tiled = torch::zeros({b, n_tiles * kTile, d}, keys.options());
-  tiled.narrow(1, 0, n).copy_(keys);
-  tiled = tiled.view({b, n_tiles, kTile, d}).transpose(2, 3).contiguous();
-  const float* kp = tiled.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
   const int64_t* lp = lim.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   const float ps = static_cast<float>(post_scale);
@@ -197,7 +194,7 @@ torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, t
       const int64_t row = u / per_row, v = u % per_row;
       const int64_t c = (v % 2 == 0) ? v / 2 : per_row - 1 - v / 2;
       const int64_t i0 = c * kChunk, i1 = std::min(nq, i0 + kChunk);
-      select_rows(qp + row * nq * h * d, wp + row * nq * h, kp + row * n_tiles * kTile * d, lp + row * nq, op + row * nq * k,
+      select_rows(qp + row * nq * h * d, wp + row * nq * h, kp + row * n * d, lp + row * nq, op + row * nq * k,
                   n, h, d, k, ps, i0, i1);
     }
   });

@@ -10,9 +10,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hc_mixes(torch::Tensor s
                                                                  double norm_eps, double hc_eps, int64_t iters);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor key_ok, torch::Tensor sinks,
-                              torch::Tensor entries, torch::Tensor limit, torch::Tensor sel, int64_t window,
-                              double scale);
+torch::Tensor joint_attention(torch::Tensor q, torch::Tensor win, torch::Tensor ring_first, torch::Tensor key_ok,
+                              torch::Tensor sinks, torch::Tensor entries, torch::Tensor limit, torch::Tensor sel,
+                              int64_t window, double scale);
 torch::Tensor linear_weight(torch::Tensor w);
 torch::Tensor linear(torch::Tensor x, torch::Tensor wt, int64_t n);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool inverse);
