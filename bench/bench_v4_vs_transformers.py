@@ -50,7 +50,8 @@ PROFILED_STEPS = 8
 
 
 def decode_profile(step: Callable[[], None]) -> dict[str, Any]:
-    """Operators per decode step, share of self CPU time in matrix products, top operators."""
+    """Operators per decode step (and native kernel calls, which are not operators), share of
+    self CPU time in matrix products, top operators."""
     from bench_limits import gemm_share
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,11 +66,34 @@ def decode_profile(step: Callable[[], None]) -> dict[str, Any]:
         for _ in range(PROFILED_STEPS):
             step()
 
-    with Count() as counter:
-        steps()
+    class Calls:  # counts the native kernel calls (the profiler sees only aten operators)
+        def __init__(self, module: Any) -> None:
+            self.module, self.calls = module, 0
+
+        def __getattr__(self, name: str) -> Any:
+            fn = getattr(self.module, name)
+
+            def counted(*args: Any) -> Any:
+                self.calls += 1
+                return fn(*args)
+
+            return counted
+
+    native: Any = sys.modules.get("replaykv.model.native")  # loaded in replaykv's worker only
+    loaded = native is not None and native.enabled()
+    calls = Calls(native._module if native is not None else None)
+    if loaded:
+        native._module = calls
+    try:
+        with Count() as counter:
+            steps()
+    finally:
+        if loaded:
+            native._module = calls.module
     share, top = gemm_share(steps, top=5)
     return {
         "ops_per_step": counter.ops / PROFILED_STEPS,
+        "native_calls_per_step": calls.calls / PROFILED_STEPS if loaded else 0.0,
         "gemm_share": share,
         "top": [[k.removeprefix("aten::"), v] for k, v in top],
     }
@@ -401,7 +425,12 @@ def main() -> int:
                 return "—"
             if key == "top":
                 return ", ".join(f"{k} {v:.0%}" for k, v in prof["top"])
-            return f"{prof[key]:,.0f}" if key == "ops_per_step" else f"{prof[key]:.0%}"
+            native = prof.get("native_calls_per_step", 0.0)
+            if key == "ops_per_step":
+                return f"{prof[key]:,.0f}" + (f" + {native:,.0f} native calls" if native else "")
+            return f"{prof[key]:.0%}" + (
+                " (products in native calls, which the profiler does not see)" if native else ""
+            )
 
         lines += [
             f"| operators dispatched per step | {cell(profiles[0], 'ops_per_step')} | "
