@@ -16,6 +16,10 @@ In one process (glibc keeping freed memory, `replaykv.malloc`):
 - where the time goes (torch.profiler, one more call each): the share of self CPU time in matrix
   products (`GEMM_OPS`) against everything else, and the operators that take the most.
 
+The native kernels are not aten operators: `NativeCalls` gives each of their calls a profiler
+range of its own (`replaykv::linear`, `replaykv::joint_attention`, ...) and counts the native
+products' work and operand bytes with aten's.
+
 Ratios only mean something within one run: the references and the model share the machine's state.
 """
 
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -42,15 +46,54 @@ from report import replace_section  # noqa: E402
 
 from replaykv.cache.views import advance, allocate_view  # noqa: E402
 from replaykv.malloc import reexec_keeping_freed_memory  # noqa: E402
+from replaykv.model import native  # noqa: E402
 from replaykv.model.init import init_weights  # noqa: E402
 from replaykv.model.presets_v41 import get_preset_v41  # noqa: E402
 from replaykv.model.spec import ModelSpec  # noqa: E402
 from replaykv.model.v41 import DeepseekV41ForCausalLM  # noqa: E402
 
 BEGIN, END = "<!-- bench_limits:begin -->", "<!-- bench_limits:end -->"
-# The matrix products as the profiler names them (a `linear` or `matmul` dispatches one of these).
-GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm"})
+# The matrix products as the profiler names them (a `linear` or `matmul` dispatches one of these;
+# the native product runs in a range of its own name, see `NativeCalls`).
+GEMM_OPS = frozenset(
+    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm", "replaykv::linear"}
+)
 _GEMM_FUNCS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+class NativeCalls:
+    """Makes the native kernels (`replaykv.model.native`, C++ calls that are not aten operators)
+    visible for the duration of a measurement: each call runs inside a profiler range named
+    `replaykv::<kernel>`, and each product (`linear`) adds its work (2·rows·K·N) and its operands'
+    bytes (x and the kernel's form of the weight) to `flops` and `bytes`."""
+
+    def __init__(self) -> None:
+        self.flops = 0
+        self.bytes = 0
+        self._module: Any = None
+
+    def __enter__(self) -> NativeCalls:
+        if native.enabled():
+            self._module, native._module = native._module, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._module is not None:
+            native._module, self._module = self._module, None
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._module, name)
+
+        def call(*args: Any) -> Any:
+            if name == "linear":
+                x, wt, n = args
+                k = wt.shape[-2]
+                self.flops += 2 * (x.numel() // max(1, k)) * k * n
+                self.bytes += (x.numel() + wt.numel()) * x.element_size()
+            with record_function(f"replaykv::{name}"):
+                return fn(*args)
+
+        return call
 
 
 class OperandBytes(TorchDispatchMode):
@@ -97,21 +140,22 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 
 def matmul_flops(fn: Callable[[], Any]) -> int:
-    with FlopCounterMode(display=False) as counter:
+    """The floating-point work of fn's matrix products, aten's and the native ones."""
+    with FlopCounterMode(display=False) as counter, NativeCalls() as calls:
         fn()
-    return int(counter.get_total_flops())
+    return int(counter.get_total_flops()) + calls.flops
 
 
 def operand_bytes(fn: Callable[[], Any]) -> int:
-    with OperandBytes() as mode:
+    with OperandBytes() as mode, NativeCalls() as calls:
         fn()
-    return mode.bytes
+    return mode.bytes + calls.bytes
 
 
 def gemm_share(fn: Callable[[], Any], top: int = 6) -> tuple[float, list[tuple[str, float]]]:
     """Share of self CPU time in `GEMM_OPS` over one call, and the `top` operators by self time
     (name, share)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, NativeCalls():
         fn()
     rows = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
     total = sum(t for _, t in rows) or 1.0

@@ -7,11 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from replaykv.model import native
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_limits import BEGIN, END, OperandBytes, report
+from bench_limits import BEGIN, END, OperandBytes, gemm_share, matmul_flops, operand_bytes, report
 
 
 def test_operand_bytes_counts_each_storage_once_per_product() -> None:
@@ -29,6 +32,18 @@ def test_operand_bytes_sees_the_product_inside_linear() -> None:
         F.linear(x, w, bias)
     assert m.products == 1
     assert m.bytes == (24 + 40 + 5) * 4
+
+
+@pytest.mark.skipif(not native.enabled(), reason="native kernels not buildable here")
+def test_native_products_are_counted_and_profiled() -> None:
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with torch.inference_mode():
+        assert matmul_flops(lambda: native.linear(x, w)) == 2 * 3 * 8 * 5
+        assert (
+            operand_bytes(lambda: native.linear(x, w)) == (3 * 8 + 8 * 16) * 4
+        )  # the weight's 5 outputs padded to 16
+        share, top = gemm_share(lambda: [native.linear(x, w) for _ in range(20)])
+    assert share > 0 and "replaykv::linear" in dict(top)
 
 
 def test_report_divides_the_measurements_it_is_given() -> None:
