@@ -7,8 +7,10 @@ one decode step, next to DeepSeek's 15 (prefill) and 11 (decode) fused kernels p
 Each layer's call is wrapped in a profiler range (forward hooks); inside it the script counts
 
     ops           top-level operators the layer dispatches (aten calls whose parent is the layer's
-                  range: on a CPU each runs one or more kernels of its own; NumPy work such as the
-                  small mHC Sinkhorn of a CPU decode step is not an operator and is not counted)
+                  range: on a CPU each runs one or more kernels of its own) and its native kernel
+                  calls (`replaykv.model.native`, each one kernel, given a profiler range of its
+                  own by `bench_limits.NativeCalls`); NumPy work such as the small mHC Sinkhorn of
+                  a CPU decode step is not an operator and is not counted
     CUDA kernels  device kernels launched from inside the range (on a GPU)
     host reads    reads of tensor values by the host inside the range: on a GPU its device-to-host
                   copies (each waits for the device, and none can be captured in a CUDA graph), on
@@ -43,6 +45,9 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_limits import NativeCalls  # noqa: E402
 
 from replaykv.cache.views import advance, allocate_view  # noqa: E402
 from replaykv.model.init import init_weights  # noqa: E402
@@ -85,7 +90,7 @@ def count_layers(
         handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
-        with profile(activities=activities) as prof:
+        with profile(activities=activities) as prof, NativeCalls():
             run()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -219,7 +224,10 @@ def main() -> int:
             def compiled_prefill() -> None:
                 model(ids[:, : args.context], fresh, logits_rows="last")
 
-            result["compiled_reuse"] = {"layer": reuse[0], "prefill": compiled_counts(layer, compiled_prefill)}
+            result["compiled_reuse"] = {
+                "layer": reuse[0],
+                "prefill": compiled_counts(layer, compiled_prefill),
+            }
             advance(fresh, args.context)
             result["compiled_reuse"]["decode"] = compiled_counts(
                 layer, lambda: model(ids[:, args.context : args.context + 1], fresh, logits_rows="last")
@@ -241,7 +249,9 @@ def main() -> int:
             )
     if "decode_reuse_ops" in result:
         ops = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in result["decode_reuse_ops"].items())
-        print(f"operators of a Reuse layer's decode step (layer {result['decode']['reuse']['layers'][0]}): {ops}")
+        print(
+            f"operators of a Reuse layer's decode step (layer {result['decode']['reuse']['layers'][0]}): {ops}"
+        )
     if "compiled_reuse" in result:
         c = result["compiled_reuse"]
         for phase in ("prefill", "decode"):
