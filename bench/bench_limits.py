@@ -9,7 +9,8 @@ In one process (glibc keeping freed memory, `replaykv.malloc`):
   and a copy's bandwidth (a 256 MiB float32 tensor copied, bytes read + written, best of several);
 - a prefill of `--context` tokens of the preset (random weights, float32 as the engine runs them)
   into an empty cache, and `--decode-steps` single-token steps after it: time (min / median over
-  `--repeats`), the floating-point work of the matrix products (`FlopCounterMode`, counted on a
+  `--repeats`), the floating-point work of the matrix products (`FlopCounterMode`, with the
+  native products' and the native attention's and indexer's dot products, counted on a
   separate untimed call) and so the achieved GFLOP/s; for a decode step also the bytes its matrix
   products read (their operands, each storage once per product: `OperandBytes`), a lower bound of
   what the step moves, over the copy's bandwidth;
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -64,10 +66,13 @@ _GEMM_FUNCS = ("mm", "addmm", "bmm", "baddbmm")
 class NativeCalls:
     """Makes the native kernels (`replaykv.model.native`, C++ calls that are not aten operators)
     visible for the duration of a measurement: each call runs inside a profiler range named
-    `replaykv::<kernel>`, and each product (`linear`) adds its work (2·rows·K·N) and its operands'
-    bytes (x and the kernel's form of the weight) to `flops` and `bytes`."""
+    `replaykv::<kernel>`; with `count`, each product (`linear`) adds its work (2·rows·K·N) and its
+    operands' bytes (x and the kernel's form of the weight) to `flops` and `bytes`, and the
+    attention and index kernels their dot products' work (`joint_attention`: 4·H·D per query and
+    key it reads, scores and weighted sum; `index_topk`: 2·H·D per query and visible entry)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool = False) -> None:
+        self.count = count
         self.flops = 0
         self.bytes = 0
         self._module: Any = None
@@ -85,15 +90,40 @@ class NativeCalls:
         fn = getattr(self._module, name)
 
         def call(*args: Any) -> Any:
-            if name == "linear":
-                x, wt, n = args
-                k = wt.shape[-2]
-                self.flops += 2 * (x.numel() // max(1, k)) * k * n
+            if self.count:
+                self.flops += _native_flops(name, args)
+            if self.count and name == "linear":
+                x, wt, _ = args
                 self.bytes += (x.numel() + wt.numel()) * x.element_size()
             with record_function(f"replaykv::{name}"):
                 return fn(*args)
 
         return call
+
+
+def _native_flops(name: str, args: tuple[Any, ...]) -> int:
+    """The dot products' work of one native call (see `NativeCalls`); 0 for other kernels."""
+    if name == "linear":
+        x, wt, n = args
+        k = wt.shape[-2]
+        return 2 * (x.numel() // max(1, k)) * k * n
+    if name == "joint_attention":
+        q, _, _, key_ok, _, entries, limit, sel, window, _ = args
+        b, s, h, d = q.shape
+        if key_ok.numel():  # readable rows of each query's window [i, i + W)
+            sums = F.pad(key_ok.long().cumsum(1), (1, 0))
+            keys = int((sums[:, window : window + s] - sums[:, :s]).sum())
+        else:
+            keys = b * s * window
+        if sel.numel():
+            keys += int((sel >= 0).sum())
+        elif limit.numel():
+            keys += int(limit.clamp(0, entries.shape[1]).sum())
+        return 4 * h * d * keys
+    if name == "index_topk":
+        q, _, keys_t, lim = args[:4]
+        return 2 * q.shape[2] * q.shape[3] * int(lim.clamp(0, keys_t.shape[1]).sum())
+    return 0
 
 
 class OperandBytes(TorchDispatchMode):
@@ -141,13 +171,13 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 def matmul_flops(fn: Callable[[], Any]) -> int:
     """The floating-point work of fn's matrix products, aten's and the native ones."""
-    with FlopCounterMode(display=False) as counter, NativeCalls() as calls:
+    with FlopCounterMode(display=False) as counter, NativeCalls(count=True) as calls:
         fn()
     return int(counter.get_total_flops()) + calls.flops
 
 
 def operand_bytes(fn: Callable[[], Any]) -> int:
-    with OperandBytes() as mode, NativeCalls() as calls:
+    with OperandBytes() as mode, NativeCalls(count=True) as calls:
         fn()
     return mode.bytes + calls.bytes
 

@@ -42,6 +42,13 @@ def test_native_products_are_counted_and_profiled() -> None:
         assert (
             operand_bytes(lambda: native.linear(x, w)) == (3 * 8 + 8 * 16) * 4
         )  # the weight's 5 outputs padded to 16
+        q, win, sinks = torch.randn(2, 3, 4, 8), torch.randn(2, 5 + 3, 8), torch.zeros(4)
+        attend = native.joint_attention(q, win, None, sinks, None, None, None, 6, 0.3)
+        assert attend is not None
+        # scores and weighted sum: 4·H·D per query and window key (2 rows × 3 queries × 6 keys)
+        assert matmul_flops(
+            lambda: native.joint_attention(q, win, None, sinks, None, None, None, 6, 0.3)
+        ) == (4 * 4 * 8 * 2 * 3 * 6)
         share, top = gemm_share(lambda: [native.linear(x, w) for _ in range(20)])
     assert share > 0 and "replaykv::linear" in dict(top)
 

@@ -11,7 +11,8 @@ in one call instead of a dozen operations and 2·iters − 1 normalisations. `rm
 several kernels (decode steps make dozens of these calls). `linear` is every matrix product
 with a weight (`kernels/linear.cpp`): each output one chain of multiply-adds in input order, so
 a decode row equals its prefill row on any CPU without padding a row to the 16 that BLAS needs
-for that (a sixteenth of the arithmetic). `joint_attention` is the attention
+for that (a sixteenth of the arithmetic). It reads each weight transposed, a second copy kept
+per module (`layers.native_weight`): a CPU float32 model's weights take twice their memory. `joint_attention` is the attention
 of every layer (`kernels/attention.cpp`): a query's softmax over its window keys, compressed
 entries and sink in one pass, instead of an unfold copy, masks and a dozen products and
 reductions per block of queries.
