@@ -19,7 +19,8 @@ reductions per block of queries.
 
 They are built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`; under a
 minute with the system's C++ compiler) for the CPU they run on, and used for every CPU float32
-call that autograd does not record, so prefill, chunks and decode compute a row with the same
+call under `torch.inference_mode` and for any whose operands do not require grad (`usable`), so
+prefill, chunks and decode compute a row with the same
 rounding (which may differ from torch's by an ulp or so). Where they cannot be built (no
 compiler, no headers) the model keeps its torch paths and the log says why, once.
 `REPLAYKV_NATIVE=0` turns them off for a process; `disabled()` for a block of code (benchmarks
@@ -119,11 +120,14 @@ def disabled() -> Iterator[None]:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether a native kernel runs for these operands: CPU float32 tensors that autograd does
-    not record, kernels not turned off and buildable."""
-    grad = torch.is_grad_enabled()
+    """Whether a native kernel runs for these operands: CPU float32 tensors none of which
+    requires grad (a training parameter), or any under `torch.inference_mode` (the engine's
+    passes), kernels not turned off and buildable. Whether autograd is recording does not
+    enter: a computation takes the same path, and so gets the same bits, under `no_grad` as with
+    gradients (training's selections under `no_grad` match its differentiated passes)."""
+    inference = torch.is_inference_mode_enabled()
     for t in tensors:  # the cheapest tests first, no generators: a decode step asks this often
-        if t.dtype is not torch.float32 or not t.is_cpu or (grad and t.requires_grad):
+        if t.dtype is not torch.float32 or not t.is_cpu or (t.requires_grad and not inference):
             return False
     return enabled()
 

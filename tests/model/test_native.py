@@ -122,7 +122,9 @@ def test_switches_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "_failed", None)
     assert not native.usable(t)
     with pytest.raises(RuntimeError, match="REPLAYKV_NATIVE=0"):
-        native.index_topk(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1), torch.zeros(1, 1, 16), torch.ones(1, 1), 1)
+        native.index_topk(
+            torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1), torch.zeros(1, 1, 16), torch.ones(1, 1), 1
+        )
 
 
 def test_a_failed_build_falls_back_and_says_why(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -178,7 +180,10 @@ def test_mhc_sites_keep_the_torch_path_where_autograd_records() -> None:
     assert not native.usable(streams, pre)
     (hc_expand(streams, out, post, comb).sum() + hc_collapse(streams, pre).sum()).backward()
     assert streams.grad is not None
-    with torch.no_grad():
+    with torch.no_grad():  # the same path as with gradients: no_grad does not change the bits
+        assert not native.usable(streams, pre)
+        assert native.usable(streams.detach(), pre)
+    with torch.inference_mode():  # the engine's passes: parameters require grad, nothing records
         assert native.usable(streams, pre)
 
 
@@ -221,7 +226,7 @@ def test_mhc_mixes_compute_their_formula(n: int, d: int, iters: int) -> None:
     """n = 4 fills the kernel's register chunks of eight outputs exactly; n = 2 and 3 leave a
     remainder ((2 + n) · n = 8 and 15 outputs)."""
     site, streams = mixes_site(4, n, d, iters)
-    with torch.no_grad():
+    with torch.inference_mode():
         assert native.usable(streams, site.fn)
         got = site.mixes(streams)
         want = mixes_reference(site, streams)
@@ -233,7 +238,7 @@ def test_mhc_mixes_compute_their_formula(n: int, d: int, iters: int) -> None:
 def test_mhc_mixes_rows_do_not_depend_on_the_call() -> None:
     """A token's mixes are the same alone, at any place in a block of 16 and in a long call."""
     site, streams = mixes_site(5)
-    with torch.no_grad():
+    with torch.inference_mode():
         whole = site.mixes(streams)
         for t in (0, 1, 15, 16, 37, 69):
             alone = site.mixes(streams[:, t : t + 1])
@@ -249,7 +254,7 @@ def test_mhc_mixes_keep_the_torch_path_where_autograd_records() -> None:
     pre, post, comb = site.mixes(streams)  # grad enabled, fn requires grad: the torch path
     (pre.sum() + post.sum() + comb.pow(2).sum()).backward()
     assert site.fn.grad is not None and site.fn.grad.abs().sum() > 0
-    with torch.no_grad():
+    with torch.inference_mode():  # the native mixes against the torch path's
         torch.testing.assert_close(site.mixes(streams)[2], comb.detach(), rtol=1e-5, atol=1e-6)
 
 

@@ -81,10 +81,10 @@ def test_the_loss_reads_the_attention_the_layers_compute(
     captured = []
     real = attention_v41.joint_attention
 
-    def capture(q, win_keys, step, w, sinks, entries=None, ratio=0, selection=None):  # type: ignore[no-untyped-def]
+    def capture(q, win_keys, step, w, sinks, entries=None, ratio=0, selection=None, ring_first=None):  # type: ignore[no-untyped-def]
         if entries is not None and q.shape[1] == LENGTH:
             captured.append((q.detach().float(), entries.detach().float(), ratio, step.positions))
-        return real(q, win_keys, step, w, sinks, entries, ratio, selection)
+        return real(q, win_keys, step, w, sinks, entries, ratio, selection, ring_first)
 
     monkeypatch.setattr(attention_v41, "joint_attention", capture)
     hooks = EvidenceAttention(model)
