@@ -3,28 +3,27 @@
 `index_topk` is DeepSeek-V4's lightning indexer (`attention.Indexer`): scoring, causal mask and
 top-k of every query in one pass (`kernels/index_topk.cpp`): no [Q, H, N] products, no [Q, N]
 score tensor, no separate top-k. `hc_collapse` and `hc_expand` are the mHC sites' stream sums
-(`kernels/mhc.cpp`), one pass over a token's streams instead of torch's products, batched
-[n, n] x [n, D] matrix product and sums over [T, n, D] tensors. `hc_mixes` is an mHC site's
-mixes (`kernels/mhc_mixes.cpp`: RMS norm, product, sigmoids, softmax and Sinkhorn) per token
-in one call instead of a dozen operations and 2·iters − 1 normalisations. `rms_norm` and
-`rope` (`kernels/rows.cpp`) are the RMS norm and the rotary embedding, one call each instead of
-several kernels (decode steps make dozens of these calls). `linear` is every matrix product
-with a weight (`kernels/linear.cpp`): each output one chain of multiply-adds in input order, so
-a decode row equals its prefill row on any CPU without padding a row to the 16 that BLAS needs
-for that (a sixteenth of the arithmetic). It reads each weight transposed, a second copy kept
-per module (`layers.native_weight`): a CPU float32 model's weights take twice their memory. `joint_attention` is the attention
-of every layer (`kernels/attention.cpp`): a query's softmax over its window keys, compressed
-entries and sink in one pass, instead of an unfold copy, masks and a dozen products and
+(`kernels/mhc.cpp`), one pass over a token's streams instead of torch's products, batched [n, n] x
+[n, D] matrix product and sums over [T, n, D] tensors. `hc_mixes` is an mHC site's mixes
+(`kernels/mhc_mixes.cpp`: RMS norm, product, sigmoids, softmax and Sinkhorn) per token in one call
+instead of a dozen operations and 2·iters − 1 normalisations. `rms_norm` and `rope`
+(`kernels/rows.cpp`) are the RMS norm and the rotary embedding, one call each instead of several
+kernels (decode steps make dozens of these calls). `linear` is every matrix product with a weight
+(`kernels/linear.cpp`): each output one chain of multiply-adds in input order, so a decode row
+equals its prefill row on any CPU without padding a row to the 16 that BLAS needs for that (a
+sixteenth of the arithmetic). It reads each weight transposed, a second copy kept per module
+(`layers.native_weight`): a CPU float32 model's weights take twice their memory. `joint_attention`
+is the attention of every layer (`kernels/attention.cpp`): a query's softmax over its window keys,
+compressed entries and sink in one pass, instead of an unfold copy, masks and a dozen products and
 reductions per block of queries.
 
 They are built once per machine (under torch's extension cache, `TORCH_EXTENSIONS_DIR`; under a
 minute with the system's C++ compiler) for the CPU they run on, and used for every CPU float32
 call under `torch.inference_mode` and for any whose operands do not require grad (`usable`), so
-prefill, chunks and decode compute a row with the same
-rounding (which may differ from torch's by an ulp or so). Where they cannot be built (no
-compiler, no headers) the model keeps its torch paths and the log says why, once.
-`REPLAYKV_NATIVE=0` turns them off for a process; `disabled()` for a block of code (benchmarks
-compare both paths in one process).
+prefill, chunks and decode compute a row with the same rounding (which may differ from torch's by
+an ulp or so). Where they cannot be built (no compiler, no headers) the model keeps its torch
+paths and the log says why, once. `REPLAYKV_NATIVE=0` turns them off for a process; `disabled()`
+for a block of code (benchmarks compare both paths in one process).
 
 Not for: CUDA tensors (the torch paths run there); anything autograd differentiates (training
 keeps the torch paths); V4.1's indexers, whose two-level candidate selection reads every query's
@@ -268,8 +267,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, wt: torch.Tensor | None = None
     """x [..., K] @ weight [N, K].T (or x [..., G, K] with weight [G, N, K], each group its own
     product) with every output one chain of multiply-adds in input order (`kernels/linear.cpp`),
     so a row's values do not depend on the rows it comes with; `wt`: `linear_weight(weight)`
-    when the caller keeps it. None where not `usable`."""
-    if not usable(x, weight):
+    when the caller keeps it (`layers.native_weight`, which has checked the weight). None where
+    not `usable`."""
+    if not (usable(x) if wt is not None else usable(x, weight)):
         return None
     out: torch.Tensor = _module.linear(x, linear_weight(weight) if wt is None else wt, weight.shape[-2])
     return out

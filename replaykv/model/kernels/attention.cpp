@@ -30,21 +30,18 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using replaykv::kLanes;
+using replaykv::Lanes;
+using replaykv::load;
+using replaykv::store;
+
 constexpr int64_t kHeadBlock = 4;   // heads whose output accumulators share a pass over the keys
 constexpr int64_t kOutChunk = 64;   // output floats per head in registers at a time (4 vectors)
 constexpr int64_t kGrainWork = 1 << 18;  // dot-product floats a thread takes at least
 
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 typedef float Quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
 typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // The 16 lanes added as a fixed tree (halves, quarters, then pairs).
 inline float lane_sum(Lanes v) {
@@ -159,7 +156,7 @@ bool attend(const Operands& o, int64_t b, int64_t i, Scratch& sc) {
     for (int64_t r = m; r < stride; ++r) l[r] = top;  // padding: exp(0), never read
     for (int64_t r = 0; r < stride; r += kLanes) {
       const Lanes e = exp_le0(load(l + r) - top);
-      std::memcpy(l + r, &e, sizeof(e));
+      store(l + r, e);
     }
     float total = 0.0f;
     for (int64_t r = 0; r < m; ++r) total += l[r];
@@ -184,7 +181,7 @@ bool attend(const Operands& o, int64_t b, int64_t i, Scratch& sc) {
       for (int64_t hh = 0; hh < hb; ++hh)
         for (int64_t v = 0; v < kOutChunk / kLanes; ++v) {
           const Lanes y = acc[hh][v] / den[h0 + hh];
-          std::memcpy(out + (h0 + hh) * d + c0 + v * kLanes, &y, sizeof(y));
+          store(out + (h0 + hh) * d + c0 + v * kLanes, y);
         }
     }
     for (int64_t hh = 0; hh < hb; ++hh)  // the last D % 64 floats, one at a time in key order

@@ -1,13 +1,28 @@
-// Shape helpers shared by the native kernels: a kernel takes [..., trailing dims] tensors and
-// works on the leading dimensions as one row axis (no reshape dispatches on the Python side).
+// What the native kernels share: shape helpers (a kernel takes [..., trailing dims] tensors and
+// works on the leading dimensions as one row axis, no reshape dispatches on the Python side) and
+// the 16-float vector type with its unaligned load and store.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace replaykv {
+
+// 16 floats side by side (GCC / Clang vector extension: elementwise IEEE operations, one or more
+// machine vectors wide); loads and stores take any float address.
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void check_float_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": expected float32");

@@ -22,22 +22,16 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using replaykv::kLanes;
+using replaykv::Lanes;
+using replaykv::load;
+using replaykv::store;
+
 constexpr int kRows = 4;                // rows of a tile
 constexpr int kVecs = 4;                // output vectors of a tile (64 outputs)
 constexpr int64_t kRowBlock = 64;       // rows of a thread's work unit
 constexpr int64_t kChunk = 256;         // inputs of a chunk
 constexpr int64_t kGrainWork = 1 << 16;  // multiply-adds a thread takes at least
-
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
 // One product of a call (one group): x rows `xs` floats apart, y rows `ys` apart, wt [k, np].
 struct Product {

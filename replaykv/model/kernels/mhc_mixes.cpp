@@ -32,13 +32,11 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;       // tokens a block computes side by side (one vector lane each)
+constexpr int64_t kBlock = replaykv::kLanes;  // tokens a block computes side by side (one lane each)
 constexpr int64_t kGrainBlocks = 4;  // a call of fewer blocks runs on the calling thread
 constexpr int64_t kChunk = 8;        // outputs whose accumulators stay in registers
 
-// One float per token of a block (GCC / Clang vector extension: elementwise IEEE operations, one
-// or more machine vectors wide).
-typedef float Lanes __attribute__((vector_size(kBlock * sizeof(float))));
+using replaykv::Lanes;  // one float per token of a block
 
 struct Site {
   const float* w_t;    // fn transposed [K, M]

@@ -22,10 +22,11 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kGrainElements = 1 << 16;  // elements a thread takes at least
+using replaykv::kLanes;
+using replaykv::Lanes;
+using replaykv::load;
 
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int64_t kGrainElements = 1 << 16;  // elements a thread takes at least
 
 int64_t grain(int64_t row) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row)); }
 
@@ -34,8 +35,7 @@ float sum_squares(const float* x, int64_t d) {
   Lanes acc = {};
   int64_t c = 0;
   for (; c + kLanes <= d; c += kLanes) {
-    Lanes v;
-    __builtin_memcpy(&v, x + c, sizeof(v));
+    const Lanes v = load(x + c);
     acc += v * v;
   }
   float total = acc[0];
