@@ -13,8 +13,8 @@ replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive fo
 `--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it
 counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
 `--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
-`--record-key-layers`),
-with `--cycle`, the row shapes in turn that the recipe's last phases use,
+`--record-key-layers`), with `--trace-hops`, multi-hop rows that answer with every code
+reached, with `--cycle`, the row shapes in turn that the recipe's last phases use,
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.
@@ -40,7 +40,7 @@ from replaykv.train.recipes import TASK_ANSWER_WEIGHT, small
 from replaykv.train.state import STATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_lookups import CELLS, score_cell
+from probe_lookups import CELLS, TRACE_CELLS, score_cell
 
 DEFAULT_MIXTURE = "lookup=0.5,multihop=0.2,passkey=0.15,copy=0.1,text=0.05"
 
@@ -158,6 +158,11 @@ def main() -> None:
     )
     p.add_argument("--probe-lengths", default="512,1024")
     p.add_argument("--cases", type=int, default=20)
+    p.add_argument(
+        "--trace-hops",
+        action="store_true",
+        help="multi-hop rows answer with every code reached (Mixture.trace_hops); probes that cell too",
+    )
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
     p.add_argument(
@@ -166,7 +171,7 @@ def main() -> None:
         help="continue each arm from its saved state in OUT/ARM (after SIGTERM)",
     )
     args = p.parse_args()
-    cells = CELLS if args.all_cells else CELLS[:2]
+    cells = CELLS if args.all_cells else CELLS[:2] + (TRACE_CELLS if args.trace_hops else ())
     heldout = load_corpus()["heldout"]
 
     def probe(model: Any) -> dict[str, Any]:
@@ -181,7 +186,7 @@ def main() -> None:
     for part in args.mixture.split(","):
         k, v = part.split("=")
         weights[k.strip()] = float(v)
-    mixture = Mixture(**weights, lookup_segment=args.lookup_segment)
+    mixture = Mixture(**weights, lookup_segment=args.lookup_segment, trace_hops=args.trace_hops)
     lengths = [int(x) for x in args.probe_lengths.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ def bar_cases(heldout: Corpus, spec: BarSpec, length: int, window: int) -> dict[
     plans: list[tuple[str, str, dict[str, Any]]] = [
         *((f"passkey@{d:g}", "passkey", {"depth": d}) for d in spec.depths),
         *((f"passkey@{label}", "passkey", {"evidence_end": length - n}) for label, n in spec.tail_depths),
-        ("multihop", "multihop", eval_controls("multihop", window)),
+        ("multihop", "multihop", {**eval_controls("multihop", window), "trace": spec.trace_hops}),
         ("chain", "chain", eval_controls("chain", window)),
     ]
     for c, (cell, task, controls) in enumerate(plans):

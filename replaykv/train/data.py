@@ -26,6 +26,7 @@ import hashlib
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -200,6 +201,20 @@ class Batch:
         return int(self.ids.numel())
 
 
+def multihop_evidence(sample: TaskSample) -> tuple[Evidence, ...]:
+    """A multi-hop row's evidence questions: the row that predicts each code of the answer, with
+    the record of that hop (every record of the prompt its rivals); one question, the last link,
+    for an answer of the last code alone."""
+    records, links = sample.meta["records"], sample.meta["links"]
+    codes = sample.answer_text.split(" -> ")
+    first = len(sample.prompt) - 1  # predicts the answer's first byte
+    if len(codes) == 1:
+        lo, hi = links[-1]
+        return (Evidence(first, lo, hi, records),)
+    starts = np.cumsum([0] + [len(c) + len(" -> ") for c in codes[:-1]])
+    return tuple(Evidence(first + int(o), lo, hi, records) for o, (lo, hi) in zip(starts, links, strict=True))
+
+
 class MixtureSampler:
     """Batches of a recipe's phases from one corpus split; `batch(step)` is deterministic."""
 
@@ -230,7 +245,9 @@ class MixtureSampler:
             kind = str(rng.choice(names, p=probs))
             sample = None
             if kind in TASKS:
-                controls = {}
+                controls: dict[str, Any] = (
+                    {"trace": True} if kind == "multihop" and phase.mixture.trace_hops else {}
+                )
                 if cut and rng.uniform() < phase.paths.boundary_prob and cut - w > 0:
                     controls["evidence_end"] = cut - w
                 sample = generate(kind, rng, self.corpus, prompt_len, **controls)
@@ -274,9 +291,7 @@ class MixtureSampler:
             head = [*sample.prompt, *sample.answer, TOKENIZER.eos_id]
             ids[row, : len(head)] = head
             if kind == "multihop" and kind in phase.evidence_rows:  # the answer's record, its rivals
-                records = sample.meta["records"]
-                lo, hi = next(r for r in records if sample.evidence[0] < r[0] < sample.evidence[1])
-                evidence[row] = (Evidence(len(sample.prompt) - 1, lo, hi, records),)
+                evidence[row] = multihop_evidence(sample)
             ids[row, len(head) :] = self.corpus.window(rng, length - len(head), prose)
             targets[row, prompt_len : prompt_len + len(sample.answer)] = answer_weight
             for s0, s1 in sample.train_spans:

@@ -43,6 +43,9 @@ class Mixture:
     # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
     # half, questions after; see replaykv.train.rows.lookup_row).
     lookup_segment: int = 0
+    # Multi-hop task rows answer with every code reached, `B -> C` (replaykv.train.tasks.multihop's
+    # `trace`): one lookup per hop instead of two composed in one forward pass.
+    trace_hops: bool = False
 
     def __post_init__(self) -> None:
         if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
@@ -114,7 +117,8 @@ class Phase:
     against the row's other records instead of against every entry; `evidence_rows`: the row
     kinds whose questions it reads (`lookup`: a lookup row's one-link questions; `multihop`: a
     multi-hop task row's question, its evidence the record of the last link, every record of
-    the prompt its rivals; `recall`: a recall row's one-link questions); `evidence_tail`: 0,
+    the prompt its rivals (with `Mixture.trace_hops`, each hop's code in the answer, its
+    evidence that hop's record); `recall`: a recall row's one-link questions); `evidence_tail`: 0,
     each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
     code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
@@ -216,7 +220,10 @@ class EvalSpec:
 class BarSpec:
     """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
     `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
-    as (label, tokens); a tokens value above W puts it before the question's window."""
+    as (label, tokens); a tokens value above W puts it before the question's window.
+    `trace_hops`: the multi-hop cell's answers name every code reached (`B -> C`, as rows of
+    `Mixture.trace_hops` teach), scored by exact match of the whole answer; its chance stays
+    the last code's."""
 
     rung1_lengths: tuple[int, ...] = (1024, 2048)
     rung2_lengths: tuple[int, ...] = (4096,)
@@ -228,9 +235,13 @@ class BarSpec:
     pass_rate: float = 0.95
     batch: int = 4
     seed: int = 77773
+    trace_hops: bool = False
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = asdict(self)
+        if not self.trace_hops:  # a bar without it keeps the digest its scores were written with
+            del fields["trace_hops"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -213,11 +213,15 @@ def multihop(
     distractors: int | None = None,
     depth: float | None = None,
     evidence_end: int | None = None,
+    trace: bool = False,
 ) -> TaskSample | None:
     """Records `A -> B` scattered in filler; follow `hops` links from a start code.
 
     The evidence is the record holding the answer (the last link); the other records sit at
-    random places, so every hop is a lookup across the context.
+    random places, so every hop is a lookup across the context. The answer is the last code; with
+    `trace`, every code reached in order, `B -> C` for two links (each hop one lookup by a code
+    the answer has just written; a one-link answer is the same either way). `meta["links"]`: the
+    records of the chain's links in order, as prompt positions without their newlines.
     """
     hops = int(rng.integers(1, 4)) if hops is None else hops
     distractors = int(rng.integers(2, 7)) if distractors is None else distractors
@@ -262,15 +266,19 @@ def multihop(
     ev_span = spans[-1]
     ev = (start + len(intro) + ev_span[0], start + len(intro) + ev_span[1])
     # every record's `A -> B` in the prompt (without its newlines): the evidence loss's rivals
-    spans_in_prompt = tuple(sorted((start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans))
+    in_prompt = [(start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans]
+    # records are distinct (their codes are), so a link's text names its insert
+    at = {text: span for (_, text), span in zip(inserts, in_prompt, strict=True)}
+    links = tuple(at[r] for r in records[:hops])
+    answer = " -> ".join(chain[1:]) if trace else chain[-1]
     return TaskSample(
         "multihop",
         tuple(ids),
-        _answer(chain[-1]),
-        chain[-1],
+        _answer(answer),
+        answer,
         ev,
         1 / (hops + distractors),
-        meta={"hops": hops, "distractors": distractors, "records": spans_in_prompt},
+        meta={"hops": hops, "distractors": distractors, "records": tuple(sorted(in_prompt)), "links": links},
     )
 
 

@@ -379,6 +379,38 @@ def test_generated_answers_are_verifiable_and_scored(corpus, task: str) -> None:
     assert made >= 6
 
 
+def test_traced_multihop_answers_name_every_code_reached(corpus) -> None:  # type: ignore[no-untyped-def]
+    made = 0
+    for seed in range(10):
+        hops = 1 + seed % 3
+        rng = [seed, hops]
+        plain = generate("multihop", np.random.default_rng(rng), corpus["train"], 700, hops=hops)
+        traced = generate("multihop", np.random.default_rng(rng), corpus["train"], 700, hops=hops, trace=True)
+        assert plain is not None and traced is not None
+        # the same prompt, evidence and chance: only the answer's form differs
+        assert (traced.prompt, traced.evidence, traced.chance) == (plain.prompt, plain.evidence, plain.chance)
+        prompt = _render(traced.prompt)
+        links = dict(re.findall(r"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n", prompt))
+        start = re.search(r"Follow \d links from ([A-Z0-9]{4}):", prompt).group(1)  # type: ignore[union-attr]
+        codes = [links[start]]
+        while len(codes) < hops:
+            codes.append(links[codes[-1]])
+        assert traced.answer_text == " -> ".join(codes) and plain.answer_text == codes[-1]
+        assert TOKENIZER.decode(list(traced.answer[:-1])) == traced.answer_text
+        # meta["links"]: the chain's records in order, for the per-hop evidence
+        assert [_render(traced.prompt[lo:hi]) for lo, hi in traced.meta["links"]] == [
+            f"{a} -> {b}" for a, b in zip([start, *codes], codes, strict=False)
+        ]
+        assert (
+            traced.meta["links"][-1][0] > traced.evidence[0]
+            and traced.meta["links"][-1][1] < traced.evidence[1]
+        )
+        assert score(traced, traced.answer_text)
+        assert score(traced, codes[-1]) == (hops == 1)  # the last code alone answers one link only
+        made += 1
+    assert made == 10
+
+
 def test_passkey_depths_and_evidence_placement(corpus) -> None:  # type: ignore[no-untyped-def]
     starts = []
     for d in (0.0, 0.25, 0.5, 0.75, 1.0):

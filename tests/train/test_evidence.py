@@ -242,3 +242,26 @@ def test_multihop_rows_carry_the_last_links_record_and_every_record_as_rivals(co
     default = dataclasses.replace(phase, evidence_rows=("lookup",))
     batch = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(default,)), 128).batch(0)
     assert batch.evidence == ((),) * 4
+
+
+def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type: ignore[no-untyped-def]
+    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "multihop": 1.0}, trace_hops=True)
+    phase = Phase("hops", 4, 512, 4, only, evidence_rows=("multihop",))
+    sampler = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128)
+    longer = 0
+    for step in range(4):
+        batch = sampler.batch(step)
+        for row, sample, found in zip(batch.ids, batch.samples, batch.evidence, strict=True):
+            if sample is None:
+                continue
+            codes = sample.answer_text.split(" -> ")
+            assert len(found) == sample.meta["hops"] == len(codes)
+            text = bytes(int(t) if t < 256 else 0 for t in row)
+            for e, code in zip(found, codes, strict=True):
+                # the row that predicts this hop's code, and the record that gives it
+                assert text[e.query + 1 : e.query + 5] == code.encode()
+                assert text[e.lo : e.hi].endswith(b" -> " + code.encode())
+                assert e.records == found[0].records and (e.lo, e.hi) in e.records
+            assert found[0].query == batch.prompt_len - 1
+            longer += len(codes) > 1
+    assert longer >= 4

@@ -154,6 +154,17 @@ def test_bar_cases_put_the_key_where_the_cell_says(corpus) -> None:  # type: ign
     assert max(c.evidence[0] for c in start) < min(c.evidence[0] for c in late)
 
 
+def test_a_traced_bar_asks_the_same_multihop_cases_for_every_code(corpus) -> None:  # type: ignore[no-untyped-def]
+    traced_spec = dataclasses.replace(SPEC, trace_hops=True)
+    plain = bar_cases(corpus["heldout"], SPEC, 144, window=8)["multihop"]
+    traced = bar_cases(corpus["heldout"], traced_spec, 144, window=8)["multihop"]
+    assert [c.prompt for c in traced] == [c.prompt for c in plain] and len(plain) == 3
+    for t, p in zip(traced, plain, strict=True):  # two links: `B -> C` where the plain answer is C
+        assert t.answer_text.endswith(" -> " + p.answer_text) and len(t.answer_text) == 12
+        assert t.chance == p.chance
+    assert traced_spec.digest() != SPEC.digest()
+
+
 def test_bar_scoring_agrees_with_the_card_and_with_greedy_generation(corpus) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     cells = bar_cases(corpus["heldout"], SPEC, 144, window=8)
