@@ -13,8 +13,8 @@ replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive fo
 `--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it
 counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
 `--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
-`--record-key-layers`), with `--trace-hops`, multi-hop rows that answer with every code
-reached, with `--cycle`, the row shapes in turn that the recipe's last phases use,
+`--record-key-layers`), with `--trace-hops` and `--trace-chains`, multi-hop and chain rows
+that answer with every step (`B -> C`, `q = y = x = 123`), with `--cycle`, the row shapes in turn that the recipe's last phases use,
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.
@@ -163,6 +163,11 @@ def main() -> None:
         action="store_true",
         help="multi-hop rows answer with every code reached (Mixture.trace_hops); probes that cell too",
     )
+    p.add_argument(
+        "--trace-chains",
+        action="store_true",
+        help="chain rows answer with the lines behind the value (Mixture.trace_chains); probes the chain cells",
+    )
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
     p.add_argument(
@@ -171,7 +176,10 @@ def main() -> None:
         help="continue each arm from its saved state in OUT/ARM (after SIGTERM)",
     )
     args = p.parse_args()
-    cells = CELLS if args.all_cells else CELLS[:2] + (TRACE_CELLS if args.trace_hops else ())
+    cells = CELLS if args.all_cells else CELLS[:2]
+    cells += tuple(c for c in TRACE_CELLS if (args.trace_hops and c[1] == "multihop"))
+    if args.trace_chains:
+        cells += (() if args.all_cells else (CELLS[3],)) + tuple(c for c in TRACE_CELLS if c[1] == "chain")
     heldout = load_corpus()["heldout"]
 
     def probe(model: Any) -> dict[str, Any]:
@@ -186,7 +194,12 @@ def main() -> None:
     for part in args.mixture.split(","):
         k, v = part.split("=")
         weights[k.strip()] = float(v)
-    mixture = Mixture(**weights, lookup_segment=args.lookup_segment, trace_hops=args.trace_hops)
+    mixture = Mixture(
+        **weights,
+        lookup_segment=args.lookup_segment,
+        trace_hops=args.trace_hops,
+        trace_chains=args.trace_chains,
+    )
     lengths = [int(x) for x in args.probe_lengths.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,11 +3,12 @@ a pass key" and "follows two links" a model stands.
 
     python scripts/probe_lookups.py replaykv/weights/small --length 1024 --cases 20
 
-Six cells of held-out cases (filler from held-out files, seed 555, not the bar's): multi-hop with
-one link and four distractors (chance 1/5), with two links and four distractors (the bar's form,
-chance 1/6), a chain of one copy inside one window (chance 1/4) and of six copies over three
+Seven cells of held-out cases (filler from held-out files, seed 555, not the bar's): multi-hop
+with one link and four distractors (chance 1/5), with two links and four distractors (the bar's
+form, chance 1/6), a chain of one copy inside one window (chance 1/4) and of six copies over three
 windows (the bar's form, chance 1/4), one link with its record inside the question's window
-(chance 1/5), and two links answered with both codes (`B -> C`, chance of the last code 1/6).
+(chance 1/5), two links answered with both codes (`B -> C`, chance of the last code 1/6) and the
+bar's chains answered with the lines behind the value (`q = y = x = 123`, chance 1/4).
 Teacher-forced and greedy exact match per cell, as the bar scores them
 (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless --threads says
 otherwise; --only TEXT scores the cells whose label holds TEXT; --kv-quant off scores the weights
@@ -43,10 +44,12 @@ CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
     # The record ends 60 tokens before the prompt's end: read at full resolution in the window.
     ("multihop, 1 link inside the last window", "multihop", {"hops": 1, "distractors": 4, "tail": 60}, 1 / 5),
 )
-# The bar's two links answered with both codes, `B -> C` (tasks.multihop's `trace`); the chance
-# stated is the last code's, 1/6 (a blind guess of both is 1/36).
+# The bar's two links answered with both codes, `B -> C` (tasks.multihop's `trace`), and its
+# chains with the lines behind the value, `q = y = x = 123` (tasks.chain's `trace`); the chance
+# stated is the last code's or value's.
 TRACE_CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
     ("multihop, 2 links, hops written", "multihop", {"hops": 2, "distractors": 4, "trace": True}, 1 / 6),
+    ("chain, 6 copies, lines written", "chain", {"n_vars": 4, "steps": 6, "span": 384, "trace": True}, 1 / 4),
 )
 SEED = 555
 

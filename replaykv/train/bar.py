@@ -50,7 +50,7 @@ def bar_cases(heldout: Corpus, spec: BarSpec, length: int, window: int) -> dict[
         *((f"passkey@{d:g}", "passkey", {"depth": d}) for d in spec.depths),
         *((f"passkey@{label}", "passkey", {"evidence_end": length - n}) for label, n in spec.tail_depths),
         ("multihop", "multihop", {**eval_controls("multihop", window), "trace": spec.trace_hops}),
-        ("chain", "chain", eval_controls("chain", window)),
+        ("chain", "chain", {**eval_controls("chain", window), "trace": spec.trace_chains}),
     ]
     for c, (cell, task, controls) in enumerate(plans):
         got: list[TaskSample] = []

@@ -201,18 +201,15 @@ class Batch:
         return int(self.ids.numel())
 
 
-def multihop_evidence(sample: TaskSample) -> tuple[Evidence, ...]:
-    """A multi-hop row's evidence questions: the row that predicts each code of the answer, with
-    the record of that hop (every record of the prompt its rivals); one question, the last link,
-    for an answer of the last code alone."""
-    records, links = sample.meta["records"], sample.meta["links"]
-    codes = sample.answer_text.split(" -> ")
+def task_evidence(sample: TaskSample) -> tuple[Evidence, ...]:
+    """A task row's evidence questions (`meta["questions"]`: an offset in the answer and the
+    record that gives what starts there): the row that predicts that byte, the record, every
+    record of the prompt its rivals. Multi-hop rows ask for the last link's code (every code
+    with a traced answer), traced chain rows for each name or value after q."""
+    records = sample.meta["records"]
     first = len(sample.prompt) - 1  # predicts the answer's first byte
-    if len(codes) == 1:
-        lo, hi = links[-1]
-        return (Evidence(first, lo, hi, records),)
-    starts = np.cumsum([0] + [len(c) + len(" -> ") for c in codes[:-1]])
-    return tuple(Evidence(first + int(o), lo, hi, records) for o, (lo, hi) in zip(starts, links, strict=True))
+    keyed = sample.task != "chain"
+    return tuple(Evidence(first + o, lo, hi, records, keyed) for o, (lo, hi) in sample.meta["questions"])
 
 
 class MixtureSampler:
@@ -245,9 +242,8 @@ class MixtureSampler:
             kind = str(rng.choice(names, p=probs))
             sample = None
             if kind in TASKS:
-                controls: dict[str, Any] = (
-                    {"trace": True} if kind == "multihop" and phase.mixture.trace_hops else {}
-                )
+                traced = {"multihop": phase.mixture.trace_hops, "chain": phase.mixture.trace_chains}
+                controls: dict[str, Any] = {"trace": True} if traced.get(kind) else {}
                 if cut and rng.uniform() < phase.paths.boundary_prob and cut - w > 0:
                     controls["evidence_end"] = cut - w
                 sample = generate(kind, rng, self.corpus, prompt_len, **controls)
@@ -290,8 +286,8 @@ class MixtureSampler:
                 continue
             head = [*sample.prompt, *sample.answer, TOKENIZER.eos_id]
             ids[row, : len(head)] = head
-            if kind == "multihop" and kind in phase.evidence_rows:  # the answer's record, its rivals
-                evidence[row] = multihop_evidence(sample)
+            if kind in ("multihop", "chain") and kind in phase.evidence_rows:  # the records, their rivals
+                evidence[row] = task_evidence(sample)
             ids[row, len(head) :] = self.corpus.window(rng, length - len(head), prose)
             targets[row, prompt_len : prompt_len + len(sample.answer)] = answer_weight
             for s0, s1 in sample.train_spans:

@@ -19,8 +19,8 @@ learns; a zero head first fits what the entries already hold (its gradient into 
 it, along what it reads), and starts at the uniform prediction, ln 256 ≈ 5.55.
 
 Records are those of the rows' `Evidence` (`replaykv.train.rows`: lookup rows, and multi-hop
-and recall rows when `Phase.evidence_rows` names them); a record whose B[0] lies past the
-forward's length is left out.
+and recall rows when `Phase.evidence_rows` names them; not a chain's statements, whose
+`Evidence.keyed` is false); a record whose B[0] lies past the forward's length is left out.
 
 Not for: the attention-side losses (:mod:`replaykv.train.evidence`,
 :mod:`replaykv.train.distill`).
@@ -102,7 +102,7 @@ def record_key_loss(
     covering its answer's first byte. entries [B, N, D] (this forward's, gradients flowing to
     their source); ids [B, S]; a record [lo, hi) is `A -> B` with A at lo and B[0] at
     lo + ANSWER."""
-    found = sorted({(b, lo) for b, row in enumerate(rows) for e in row for lo, _ in e.records})
+    found = sorted({(b, lo) for b, row in enumerate(rows) for e in row if e.keyed for lo, _ in e.records})
     found = [(b, lo) for b, lo in found if (lo + ANSWER) // ratio < entries.shape[1]]
     if not found:
         return None

@@ -46,6 +46,9 @@ class Mixture:
     # Multi-hop task rows answer with every code reached, `B -> C` (replaykv.train.tasks.multihop's
     # `trace`): one lookup per hop instead of two composed in one forward pass.
     trace_hops: bool = False
+    # Chain task rows answer with the lines behind the value, `q = y = x = 123`
+    # (replaykv.train.tasks.chain's `trace`).
+    trace_chains: bool = False
 
     def __post_init__(self) -> None:
         if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
@@ -118,7 +121,8 @@ class Phase:
     kinds whose questions it reads (`lookup`: a lookup row's one-link questions; `multihop`: a
     multi-hop task row's question, its evidence the record of the last link, every record of
     the prompt its rivals (with `Mixture.trace_hops`, each hop's code in the answer, its
-    evidence that hop's record); `recall`: a recall row's one-link questions); `evidence_tail`: 0,
+    evidence that hop's record); `chain`: with `Mixture.trace_chains`, each name or value of a
+    chain row's answer, its evidence the line that gives it, every statement its rivals; `recall`: a recall row's one-link questions); `evidence_tail`: 0,
     each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
     code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
@@ -163,8 +167,10 @@ class Phase:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
         if not self.evidence_loss >= 0:
             raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
-        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall"}:
-            raise ValueError(f"phase {self.name}: evidence_rows are lookup, multihop and/or recall rows")
+        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall", "chain"}:
+            raise ValueError(
+                f"phase {self.name}: evidence_rows are lookup, multihop, recall and/or chain rows"
+            )
         if self.evidence_tail < 0:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
         if any(i < 0 for i in self.evidence_layers):
@@ -223,7 +229,8 @@ class BarSpec:
     as (label, tokens); a tokens value above W puts it before the question's window.
     `trace_hops`: the multi-hop cell's answers name every code reached (`B -> C`, as rows of
     `Mixture.trace_hops` teach), scored by exact match of the whole answer; its chance stays
-    the last code's."""
+    the last code's. `trace_chains`: the chain cell's answers write the lines behind the value
+    (`q = y = x = 123`, `Mixture.trace_chains`), the same way."""
 
     rung1_lengths: tuple[int, ...] = (1024, 2048)
     rung2_lengths: tuple[int, ...] = (4096,)
@@ -236,11 +243,13 @@ class BarSpec:
     batch: int = 4
     seed: int = 77773
     trace_hops: bool = False
+    trace_chains: bool = False
 
     def digest(self) -> str:
         fields = asdict(self)
-        if not self.trace_hops:  # a bar without it keeps the digest its scores were written with
-            del fields["trace_hops"]
+        for name in ("trace_hops", "trace_chains"):  # a bar without them keeps its earlier digest
+            if not fields[name]:
+                del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

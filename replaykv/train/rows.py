@@ -25,12 +25,15 @@ class Evidence:
     """Where an answer's evidence is: the row `query` that predicts the answer's first byte and
     the positions [lo, hi) of the text it needs (a lookup's record `A -> B`), for the
     evidence-attention loss (:mod:`replaykv.train.evidence`); `records`: the [lo, hi) of every
-    record of the row (the needed one among them), the rivals of its contrastive form."""
+    record of the row (the needed one among them), the rivals of its contrastive form; `keyed`:
+    whether the records are `A -> B` with a four-byte code A, which the record-key loss reads
+    (:mod:`replaykv.train.keys`; a chain's statements are not)."""
 
     query: int
     lo: int
     hi: int
     records: tuple[tuple[int, int], ...] = ()
+    keyed: bool = True
 
 
 # ---------------------------------------------------------------------------- copy rows

@@ -271,6 +271,10 @@ def multihop(
     at = {text: span for (_, text), span in zip(inserts, in_prompt, strict=True)}
     links = tuple(at[r] for r in records[:hops])
     answer = " -> ".join(chain[1:]) if trace else chain[-1]
+    # each code of the answer, at its offset, with the record that gives it
+    questions = (
+        tuple((i * len("ABCD -> "), link) for i, link in enumerate(links)) if trace else ((0, links[-1]),)
+    )
     return TaskSample(
         "multihop",
         tuple(ids),
@@ -278,7 +282,13 @@ def multihop(
         answer,
         ev,
         1 / (hops + distractors),
-        meta={"hops": hops, "distractors": distractors, "records": tuple(sorted(in_prompt)), "links": links},
+        meta={
+            "hops": hops,
+            "distractors": distractors,
+            "records": tuple(sorted(in_prompt)),
+            "links": links,
+            "questions": questions,
+        },
     )
 
 
@@ -298,13 +308,20 @@ def chain(
     span: int | None = None,
     depth: float | None = None,
     evidence_end: int | None = None,
+    trace: bool = False,
 ) -> TaskSample | None:
     """Variable tracking: `v = 123` for each variable, then copies `x = y`, spread over `span`
     bytes of comment lines; the question asks what `print(q)` shows.
 
     Names are reassigned, so a value can only be found by following the copies in order: the
     state propagates line by line (through stacked windows) rather than by a single lookup.
-    The evidence is the literal assignment of the answer's value.
+    The evidence is the literal assignment of the answer's value. With `trace` the answer
+    writes the lines that give q its value, last first, joined where they share a name: `q = y
+    = x = 123` for the lines `q = y`, `y = x` and `x = 123`, each the latest assignment of its
+    name before the line found last (every step one lookup of a line by the name just
+    written). `meta["questions"]`: each name or value of the answer after q, at its offset in
+    the answer, with the line that gives it (prompt positions without newlines);
+    `meta["records"]`: every statement's.
     """
     n_vars = int(rng.integers(3, 5)) if n_vars is None else n_vars
     steps = int(rng.integers(2, 11)) if steps is None else steps
@@ -343,18 +360,37 @@ def chain(
     hay = _haystack(_CommentFiller(filler), rng, room, inserts, prose=False)
     if hay is None:
         return None
-    body, _ = hay
+    body, spans = hay
     ids, start = _chat_user([*intro, *body], question)
     ev = (start + len(intro) + block_off + ev_rel0, start + len(intro) + block_off + ev_rel1)
+    records = tuple((start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans)
+    found = _lines_behind(lines, q)
+    names = [q] + [lines[i].split(" = ")[1] for i in found]
+    text = " = ".join(names) if trace else str(answer)
+    offsets = np.cumsum([len(n) + len(" = ") for n in names[:-1]])
+    questions = tuple((int(o), records[i]) for o, i in zip(offsets, found, strict=True)) if trace else ()
     return TaskSample(
         "chain",
         tuple(ids),
-        _answer(str(answer)),
-        str(answer),
+        _answer(text),
+        text,
         ev,
         1 / n_vars,
-        meta={"n_vars": n_vars, "steps": steps, "span": span},
+        meta={"n_vars": n_vars, "steps": steps, "span": span, "records": records, "questions": questions},
     )
+
+
+def _lines_behind(lines: list[str], q: str) -> list[int]:
+    """The lines `dst = src` that give `q` its value at the program's end, last first: each the
+    latest assignment of the previous line's source before that line, down to a literal."""
+    found: list[int] = []
+    name, bound = q, len(lines)
+    while True:
+        i = max(k for k in range(bound) if lines[k].split(" = ")[0] == name)
+        found.append(i)
+        name, bound = lines[i].split(" = ")[1], i
+        if name.isdigit():
+            return found
 
 
 class _CommentFiller:

@@ -5,6 +5,7 @@ confirms (and whose scorers accept them), with passkey depths and evidence place
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 
@@ -409,6 +410,43 @@ def test_traced_multihop_answers_name_every_code_reached(corpus) -> None:  # typ
         assert score(traced, codes[-1]) == (hops == 1)  # the last code alone answers one link only
         made += 1
     assert made == 10
+
+
+def test_traced_chain_answers_write_the_lines_behind_the_value(corpus) -> None:  # type: ignore[no-untyped-def]
+    longer = 0
+    for seed in range(24):
+        rng = [seed, 7]
+        plain = generate("chain", np.random.default_rng(rng), corpus["train"], 900)
+        traced = generate("chain", np.random.default_rng(rng), corpus["train"], 900, trace=True)
+        assert plain is not None and traced is not None
+        assert (traced.prompt, traced.evidence, traced.chance) == (plain.prompt, plain.evidence, plain.chance)
+        prompt = _render(traced.prompt)
+        lines = re.findall(r"^([a-z]) = (\d+|[a-z])$", prompt, flags=re.M)
+        q = re.search(r"print\(([a-z])\)<\|end\|>", prompt).group(1)  # type: ignore[union-attr]
+        # run the program, keeping for every line which line last set each name before it
+        setter: dict[str, int] = {}
+        before: list[dict[str, int]] = []
+        for k, (dst, _) in enumerate(lines):
+            before.append(dict(setter))
+            setter[dst] = k
+        names, k = [q], setter[q]
+        while True:
+            names.append(lines[k][1])
+            if lines[k][1].isdigit():
+                break
+            k = before[k][lines[k][1]]
+        assert traced.answer_text == " = ".join(names) and names[-1] == plain.answer_text
+        # each question: the answer's next name or value, and the statement that gives it
+        pairs = list(itertools.pairwise(names))
+        assert [(o, _render(traced.prompt[lo:hi])) for o, (lo, hi) in traced.meta["questions"]] == [
+            (len(" = ".join(names[: i + 1])) + 3, f"{a} = {b}") for i, (a, b) in enumerate(pairs)
+        ]
+        assert [_render(traced.prompt[lo:hi]) for lo, hi in traced.meta["records"]] == [
+            f"{a} = {b}" for a, b in lines
+        ]
+        assert score(traced, traced.answer_text) and not score(traced, plain.answer_text)
+        longer += len(names) > 3
+    assert longer >= 4
 
 
 def test_passkey_depths_and_evidence_placement(corpus) -> None:  # type: ignore[no-untyped-def]

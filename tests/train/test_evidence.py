@@ -6,6 +6,7 @@ where it is not implemented (pipeline training)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import numpy as np
@@ -265,3 +266,24 @@ def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type:
             assert found[0].query == batch.prompt_len - 1
             longer += len(codes) > 1
     assert longer >= 4
+
+
+def test_traced_chain_rows_ask_for_each_line_behind_the_value(corpus) -> None:  # type: ignore[no-untyped-def]
+    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "chain": 1.0}, trace_chains=True)
+    phase = Phase("chains", 4, 512, 4, only, evidence_rows=("chain",))
+    sampler = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128)
+    seen = 0
+    for step in range(3):
+        batch = sampler.batch(step)
+        for row, sample, found in zip(batch.ids, batch.samples, batch.evidence, strict=True):
+            if sample is None:
+                continue
+            text = bytes(int(t) if t < 256 else 0 for t in row)
+            names = sample.answer_text.split(" = ")
+            assert len(found) == len(names) - 1
+            for e, (dst, src) in zip(found, itertools.pairwise(names), strict=True):
+                assert text[e.query + 1 : e.query + 1 + len(src)] == src.encode()
+                assert text[e.lo : e.hi] == f"{dst} = {src}".encode() and (e.lo, e.hi) in e.records
+                assert not e.keyed  # a statement is no `A -> B` record for the record-key loss
+            seen += 1
+    assert seen >= 8

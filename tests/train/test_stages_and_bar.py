@@ -154,7 +154,7 @@ def test_bar_cases_put_the_key_where_the_cell_says(corpus) -> None:  # type: ign
     assert max(c.evidence[0] for c in start) < min(c.evidence[0] for c in late)
 
 
-def test_a_traced_bar_asks_the_same_multihop_cases_for_every_code(corpus) -> None:  # type: ignore[no-untyped-def]
+def test_a_traced_bar_asks_the_same_cases_for_every_step(corpus) -> None:  # type: ignore[no-untyped-def]
     traced_spec = dataclasses.replace(SPEC, trace_hops=True)
     plain = bar_cases(corpus["heldout"], SPEC, 144, window=8)["multihop"]
     traced = bar_cases(corpus["heldout"], traced_spec, 144, window=8)["multihop"]
@@ -163,6 +163,13 @@ def test_a_traced_bar_asks_the_same_multihop_cases_for_every_code(corpus) -> Non
         assert t.answer_text.endswith(" -> " + p.answer_text) and len(t.answer_text) == 12
         assert t.chance == p.chance
     assert traced_spec.digest() != SPEC.digest()
+    chains = dataclasses.replace(SPEC, trace_chains=True)
+    plain = bar_cases(corpus["heldout"], SPEC, 144, window=8)["chain"]
+    traced = bar_cases(corpus["heldout"], chains, 144, window=8)["chain"]
+    assert [c.prompt for c in traced] == [c.prompt for c in plain] and len(plain) == 3
+    for t, p in zip(traced, plain, strict=True):  # `q = ... = 123` where the plain answer is 123
+        assert t.answer_text.endswith(" = " + p.answer_text) and t.chance == p.chance
+    assert len({SPEC.digest(), traced_spec.digest(), chains.digest()}) == 3
 
 
 def test_bar_scoring_agrees_with_the_card_and_with_greedy_generation(corpus) -> None:  # type: ignore[no-untyped-def]
