@@ -245,45 +245,42 @@ def test_multihop_rows_carry_the_last_links_record_and_every_record_as_rivals(co
     assert batch.evidence == ((),) * 4
 
 
-def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type: ignore[no-untyped-def]
-    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "multihop": 1.0}, trace_hops=True)
-    phase = Phase("hops", 4, 512, 4, only, evidence_rows=("multihop",))
+def _traced_rows(corpus, task: str, steps: int):  # type: ignore[no-untyped-def]
+    """(row text, sample, evidence, prompt length) of the task rows of a phase of `task` rows
+    alone with traced answers and evidence on them."""
+    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, task: 1.0}, trace_hops=True, trace_chains=True)
+    phase = Phase("traced", 4, 512, 4, only, evidence_rows=(task,))
     sampler = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128)
-    longer = 0
-    for step in range(4):
+    for step in range(steps):
         batch = sampler.batch(step)
         for row, sample, found in zip(batch.ids, batch.samples, batch.evidence, strict=True):
-            if sample is None:
-                continue
-            codes = sample.answer_text.split(" -> ")
-            assert len(found) == sample.meta["hops"] == len(codes)
-            text = bytes(int(t) if t < 256 else 0 for t in row)
-            for e, code in zip(found, codes, strict=True):
-                # the row that predicts this hop's code, and the record that gives it
-                assert text[e.query + 1 : e.query + 5] == code.encode()
-                assert text[e.lo : e.hi].endswith(b" -> " + code.encode())
-                assert e.records == found[0].records and (e.lo, e.hi) in e.records
-            assert found[0].query == batch.prompt_len - 1
-            longer += len(codes) > 1
+            if sample is not None:
+                yield bytes(int(t) if t < 256 else 0 for t in row), sample, found, batch.prompt_len
+
+
+def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type: ignore[no-untyped-def]
+    longer = 0
+    for text, sample, found, prompt_len in _traced_rows(corpus, "multihop", 4):
+        codes = sample.answer_text.split(" -> ")
+        assert len(found) == sample.meta["hops"] == len(codes)
+        for e, code in zip(found, codes, strict=True):
+            # the row that predicts this hop's code, and the record that gives it
+            assert text[e.query + 1 : e.query + 5] == code.encode()
+            assert text[e.lo : e.hi].endswith(b" -> " + code.encode())
+            assert e.records == found[0].records and (e.lo, e.hi) in e.records and e.keyed
+        assert found[0].query == prompt_len - 1
+        longer += len(codes) > 1
     assert longer >= 4
 
 
 def test_traced_chain_rows_ask_for_each_line_behind_the_value(corpus) -> None:  # type: ignore[no-untyped-def]
-    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "chain": 1.0}, trace_chains=True)
-    phase = Phase("chains", 4, 512, 4, only, evidence_rows=("chain",))
-    sampler = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128)
     seen = 0
-    for step in range(3):
-        batch = sampler.batch(step)
-        for row, sample, found in zip(batch.ids, batch.samples, batch.evidence, strict=True):
-            if sample is None:
-                continue
-            text = bytes(int(t) if t < 256 else 0 for t in row)
-            names = sample.answer_text.split(" = ")
-            assert len(found) == len(names) - 1
-            for e, (dst, src) in zip(found, itertools.pairwise(names), strict=True):
-                assert text[e.query + 1 : e.query + 1 + len(src)] == src.encode()
-                assert text[e.lo : e.hi] == f"{dst} = {src}".encode() and (e.lo, e.hi) in e.records
-                assert not e.keyed  # a statement is no `A -> B` record for the record-key loss
-            seen += 1
+    for text, sample, found, prompt_len in _traced_rows(corpus, "chain", 3):
+        names = sample.answer_text.split(" = ")
+        assert len(found) == len(names) - 1 and found[0].query == prompt_len - 1 + len(names[0]) + 3
+        for e, (dst, src) in zip(found, itertools.pairwise(names), strict=True):
+            assert text[e.query + 1 : e.query + 1 + len(src)] == src.encode()
+            assert text[e.lo : e.hi] == f"{dst} = {src}".encode() and (e.lo, e.hi) in e.records
+            assert not e.keyed  # a statement is no `A -> B` record for the record-key loss
+        seen += 1
     assert seen >= 8
