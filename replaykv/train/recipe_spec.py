@@ -129,7 +129,9 @@ class Phase:
     rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
     rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`). `record_keys`: the weight
     of the record-key loss on the same rows' records (0: off; see :mod:`replaykv.train.keys`);
-    `record_key_layers`: the KV sources it reads (empty: every one)."""
+    `record_key_layers`: the KV sources it reads (empty: every one). `lr`: a constant learning
+    rate for the phase's steps, reached over the recipe's `rewarmup` steps from the rate before
+    it (None: the recipe's schedule), for phases added after the schedule has ended."""
 
     name: str
     steps: int
@@ -151,6 +153,7 @@ class Phase:
     evidence_clip: float = 0.0
     record_keys: float = 0.0
     record_key_layers: tuple[int, ...] = ()
+    lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -179,6 +182,8 @@ class Phase:
             raise ValueError(f"phase {self.name}: evidence_clip must not be negative")
         if not self.record_keys >= 0:
             raise ValueError(f"phase {self.name}: record_keys must not be negative")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"phase {self.name}: lr must be positive")
 
     def at(self, k: int) -> Phase:
         """The shape of the phase's step k (0-based within the phase): itself without a cycle,
@@ -354,7 +359,23 @@ class Recipe:
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to `lr`, then cosine to `min_lr` at the last step (or `decay_end`, then
-        constant)."""
+        constant); in a phase with its own `Phase.lr`, that rate, ramped linearly over `rewarmup`
+        steps from the rate of the step before the phase."""
+        start = 0
+        for p in self.phases:
+            if step < start + p.steps or p is self.phases[-1]:
+                break
+            start += p.steps
+        if p.lr is not None:
+            if start == 0:  # a first phase: the recipe's warmup to its own rate
+                return p.lr * min(1.0, (step + 1) / max(1, self.warmup))
+            if step - start >= self.rewarmup:
+                return p.lr
+            before = self.lr_at(start - 1)
+            return before + (p.lr - before) * (step - start + 1) / (self.rewarmup + 1)
+        return self._scheduled(step)
+
+    def _scheduled(self, step: int) -> float:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         end = min(self.total_steps, self.decay_end or self.total_steps)

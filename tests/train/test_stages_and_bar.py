@@ -39,6 +39,24 @@ def test_decay_end_keeps_the_rates_of_the_steps_before_an_extension() -> None:
         dataclasses.replace(extended, decay_end=extended.warmup)
 
 
+def test_a_phase_with_its_own_rate_ramps_to_it_and_keeps_it() -> None:
+    base = small()
+    end = base.total_steps
+    extra = dataclasses.replace(base.phases[-1], name="own", steps=100, cycle=(), lr=5e-4)
+    again = dataclasses.replace(extra, name="again", lr=1e-4)
+    recipe = dataclasses.replace(base, phases=(*base.phases, extra, again), stages=())
+    for step in (0, 100, SMALL_DECAY_END, end - 1):  # the steps before keep their rates
+        assert recipe.lr_at(step) == base.lr_at(step)
+    ramp = [recipe.lr_at(end + k) for k in range(base.rewarmup + 1)]
+    assert ramp == sorted(ramp) and base.min_lr < ramp[0] < ramp[-2] < 5e-4 == ramp[-1]
+    assert ramp[0] == pytest.approx(base.min_lr + (5e-4 - base.min_lr) / (base.rewarmup + 1))
+    assert recipe.lr_at(end + 99) == 5e-4
+    assert recipe.lr_at(end + 100) == pytest.approx(5e-4 + (1e-4 - 5e-4) / (base.rewarmup + 1))
+    assert recipe.lr_at(end + 100 + base.rewarmup) == recipe.lr_at(end + 199) == 1e-4
+    with pytest.raises(ValueError, match="lr must be positive"):
+        dataclasses.replace(extra, lr=0.0)
+
+
 def _staged():  # type: ignore[no-untyped-def]
     mix = Mixture(text=0.5, passkey=0.5, multihop=0.0, chain=0.0, extract=0.0, tool=0.0)
     return dataclasses.replace(
