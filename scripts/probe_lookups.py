@@ -15,7 +15,8 @@ otherwise; --only TEXT scores the cells whose label holds TEXT; --kv-quant off s
 with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed. --choice adds, for
 the multi-hop cells, a measure finer than exact match: the teacher-forced log-likelihood of every
 record's answer B after the prompt, a case counted when the true answer ranks first (chance one
-over the number of records).
+over the number of records). --steps splits the traced cells by step, teacher forced: each
+step's code, name or value, and the joins with the closing <|end|>.
 """
 
 from __future__ import annotations
@@ -130,6 +131,44 @@ def choice_cell(
     return {"choice": hits, "n": len(cases), "chance": chance}
 
 
+@torch.inference_mode()
+def steps_cell(
+    model: Any, cell: tuple[str, str, dict[str, Any], float], length: int, n: int, corpus: Any
+) -> dict[str, Any]:
+    """One traced cell, teacher forced, split by what an answer is made of: how many cases get
+    each step's name, code or value right, and how many get every joining ` -> ` / ` = ` and the
+    closing <|end|> right (a model that stops after one step fails only the latter)."""
+    label, task, controls, _ = cell
+    sep = " -> " if task == "multihop" else " = "
+    spec = ModelSpec.from_config(model.config)
+    device = next(model.parameters()).device
+    cases = cases_of(task, controls, length, n, corpus)
+    by_step: list[int] = []
+    joins = 0
+    for case in cases:
+        p_len = len(case.prompt)
+        ids = torch.tensor([[*case.prompt, *case.answer]], device=device)
+        view = allocate_view(spec, 1, ids.shape[1], device, model.lm_head.weight.dtype)
+        pred = model(ids[:, :-1], view)[0, p_len - 1 :].argmax(-1)
+        right = (pred == ids[0, p_len:]).tolist()
+        parts = case.answer_text.split(sep)
+        at, ok_join = 0, True
+        for k, part in enumerate(parts):
+            if k >= len(by_step):
+                by_step.append(0)
+            by_step[k] += all(right[at : at + len(part)])
+            at += len(part)
+            end = at + (len(sep) if k + 1 < len(parts) else 1)  # the join, or <|end|>
+            ok_join &= all(right[at:end])
+            at = end
+        joins += ok_join
+    steps = ", ".join(f"{k + 1}: {v}/{len(cases)}" for k, v in enumerate(by_step))
+    print(
+        f"{label} @ {length}, teacher forced by step: {steps}; joins and end {joins}/{len(cases)}", flush=True
+    )
+    return {"steps": by_step, "joins": joins, "n": len(cases)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -139,6 +178,9 @@ def main() -> None:
     p.add_argument("--only", default="", help="score only the cells whose label holds this text")
     p.add_argument("--kv-quant", choices=("config", "on", "off"), default="config")
     p.add_argument("--choice", action="store_true", help="also rank the records' answers (multi-hop cells)")
+    p.add_argument(
+        "--steps", action="store_true", help="also split the traced cells by step (teacher forced)"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     quant = {"on": True, "off": False}.get(args.kv_quant)
@@ -148,6 +190,8 @@ def main() -> None:
         score_cell(model, cell, args.length, args.cases, heldout)
         if args.choice and cell[1] == "multihop" and not cell[2].get("trace"):
             choice_cell(model, cell, args.length, args.cases, heldout)
+        if args.steps and cell[2].get("trace"):
+            steps_cell(model, cell, args.length, args.cases, heldout)
 
 
 if __name__ == "__main__":
