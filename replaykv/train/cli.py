@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bar-lengths", default=None, help="comma-separated context lengths for --bar (default: the bar's)"
     )
+    p.add_argument(
+        "--bar-traced",
+        action="store_true",
+        help="--bar with the multi-hop and chain cells answered step by step (BarSpec.trace_hops and "
+        "trace_chains: `B -> C`, `q = y = x = 123`)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to OUT)")
     pp = p.add_argument_group("pipeline parallelism (replaykv.train.pipeline)")
     pp.add_argument(
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pipeline_stages is not None or args.print_plan or args.context_parallel > 1:
         return _pipeline(recipe, args)
     try:
-        if args.bar:
+        if args.bar or args.bar_traced:
             return _bar(recipe, args)
         if args.eval_only:
             evaluate_only(recipe, args.out, args.device, args.init)
@@ -393,6 +399,7 @@ def torch_cuda() -> bool:
 
 
 def _bar(recipe: Recipe, args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from replaykv.train.setup import resolve_device
@@ -406,6 +413,8 @@ def _bar(recipe: Recipe, args: argparse.Namespace) -> int:
         )
         return 2
     directory = Path(args.from_stage) if args.from_stage else Path(args.out) / STAGE_DIR
+    if args.bar_traced and recipe.bar is not None:
+        recipe = replace(recipe, bar=replace(recipe.bar, trace_hops=True, trace_chains=True))
     result = evaluate_stage(recipe, directory, resolve_device(args.device), lengths)
     print(f"{directory}: rung {result['rung']}; wrote bar.json, MODEL_CARD.md, stage.json")
     target = shipped_dir(recipe)

@@ -247,6 +247,15 @@ def test_a_stage_scored_on_the_bar_records_its_rung_and_card(tmp_path, corpus, m
     assert "stage 1 of 2" in card and "passkey@inside last W" in card and "Rung reached: **0**" in card
     saved = json.loads((out / "stage" / "bar.json").read_text())
     assert saved["lengths"]["144"]["passkey@0"]["forced"]["n"] == 2
+    # `--bar-traced`: the same stage on the bar with step-by-step multi-hop and chain answers
+    from replaykv.train import cli
+
+    monkeypatch.setattr(cli, "get_recipe", lambda name: recipe)
+    assert cli.main(["--recipe", "tiny", "--out", str(out), "--bar-traced", "--bar-lengths", "144"]) == 0
+    traced = json.loads((out / "stage" / "bar.json").read_text())
+    assert traced["spec"]["trace_hops"] and traced["spec"]["trace_chains"] and not saved["spec"]["trace_hops"]
+    assert traced["spec_digest"] != saved["spec_digest"] == result["spec_digest"]
+    assert stages.read_stage(out / "stage")["bar_digest"] == traced["spec_digest"]  # type: ignore[index]
 
 
 def test_train_resume_with_no_state_is_one_error_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
