@@ -162,7 +162,9 @@ def multihop(
     answer = " -> ".join(chain[1:]) if trace else chain[-1]
     # each code of the answer, at its offset, with the record that gives it
     questions = (
-        tuple((i * len("ABCD -> "), link) for i, link in enumerate(links)) if trace else ((0, links[-1]),)
+        tuple((answer.index(code), link) for code, link in zip(chain[1:], links, strict=True))
+        if trace
+        else ((0, links[-1]),)
     )
     return TaskSample(
         "multihop",
