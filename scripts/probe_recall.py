@@ -1,6 +1,7 @@
 """Does a checkpoint pick a record by its code inside one window?
 
     python scripts/probe_recall.py replaykv/weights/small --rows 40
+    python scripts/probe_recall.py replaykv/weights/small --rows 40 --kind program
 
 Held-out recall rows (`replaykv.train.rows.recall_row`: blocks of four link records `A -> B`,
 then a one-link and a two-link question about them, each block inside the 128-token window;
@@ -8,7 +9,12 @@ seed 777, 512 bytes a row) scored by teacher forcing: per question, whether the 
 bytes are the argmax, and per byte index the share right. The answer's first byte is the
 lookup (chance 1/4: the block's four records' answers); the other three continue a code the
 model has seen, a copy. The first byte's argmax is also classified as the right record's, another
-record's of the row, or no record's answer. One torch thread unless --threads says otherwise.
+record's of the row, or no record's answer. With `--kind program`, held-out program rows
+(`replaykv.train.rows.program_row`: short chain programs each followed by `print(q):` and its
+traced answer `q = y = 123`, inside one window), per number of lookups in the answer: whole
+answers right (teacher forced) and each lookup right (its name or value after `q = `, the
+latest assignment of the name before the line found last). One torch thread unless --threads
+says otherwise.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from replaykv.cache.views import allocate_view
 from replaykv.model.checkpoint import load_model
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus, load_corpus
-from replaykv.train.rows import recall_row
+from replaykv.train.rows import program_row, recall_row
 
 SEED = 777
 LENGTH = 512
 QUESTION = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
 RECORD = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
+PRINT = re.compile(rb"\nprint\(([a-z])\): ([a-z0-9 =]+)\n")
 
 
 def score(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
@@ -60,15 +67,51 @@ def score(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
     return out
 
 
+def score_programs(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
+    """Per number of lookups in the answer: questions, whole answers right and each lookup
+    right (teacher forced: the argmax of every byte of the name or value it writes)."""
+    spec = ModelSpec.from_config(model.config)
+    rng = np.random.default_rng(SEED)
+    out: dict[int, dict[str, Any]] = {}
+    for _ in range(rows):
+        ids = program_row(rng, heldout, LENGTH)[0]
+        view = allocate_view(spec, 1, LENGTH, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            pred = model(torch.from_numpy(ids)[None], view)[0].argmax(-1).numpy()  # [L]
+        right = np.concatenate([[False], pred[:-1] == ids[1:]])  # byte i predicted right
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        for q in PRINT.finditer(text):
+            names = q.group(2).split(b" = ")
+            cell = out.setdefault(len(names) - 1, {"n": 0, "right": 0, "steps": np.zeros(len(names) - 1)})
+            cell["n"] += 1
+            cell["right"] += int(right[q.start(2) + 1 : q.end(2)].all())
+            at = q.start(2) + len(names[0])
+            for k, name in enumerate(names[1:]):
+                at += 3  # " = "
+                cell["steps"][k] += bool(right[at : at + len(name)].all())
+                at += len(name)
+    return dict(sorted(out.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--rows", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kind", choices=("recall", "program"), default="recall")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model).float().eval()
     t0 = time.perf_counter()
+    if args.kind == "program":
+        for lookups, cell in score_programs(model, load_corpus()["heldout"], args.rows).items():
+            steps = " ".join(f"{int(v)}" for v in cell["steps"])
+            print(
+                f"{lookups} lookup(s): {cell['right']}/{cell['n']} whole answers; by lookup {steps}",
+                flush=True,
+            )
+        print(f"{time.perf_counter() - t0:.0f} s")
+        return
     for hops, cell in score(model, load_corpus()["heldout"], args.rows).items():
         n = cell["n"]
         print(

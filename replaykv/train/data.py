@@ -13,6 +13,7 @@ loss mask, so a batch is a pure function of its step (resuming needs no data sta
     copy row   [text .. S1 .. S2 .. S1 .. text .. S2 .. text ...]  loss on text and each repeat
     lookup row [text .. A -> B .. B -> C .. | .. from A: C .. ...]  loss on text and each answer
     recall row [A -> B  C -> D .. from A: D .. text .. (blocks)  ]  loss on text and each answer
+    program    [x = 1 y = x print(y): y = x = 1 .. text (blocks)]  loss on text and each answer
 
 All rows of a batch share the prompt length P and, in replay-adaptation steps, the cut point, so
 the replay paths can run them as one batch. Not for: running the model (see
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from replaykv.train.recipes import Recipe
-from replaykv.train.rows import Evidence, copy_row, lookup_row, recall_row, repeat_row
+from replaykv.train.rows import Evidence, copy_row, lookup_row, program_row, recall_row, repeat_row
 from replaykv.train.tasks import TASKS, TOKENIZER, TaskSample, generate
 
 SPLITS = ("train", "heldout")
@@ -264,9 +265,10 @@ class MixtureSampler:
                     targets[row, repeat] = 0.0
                 targets[row, mask] = phase.copy_weight
                 continue
-            if kind == "recall":
-                ids[row], answers, inserted, found = recall_row(rng, self.corpus, length, prose)
-                evidence[row] = tuple(found) if "recall" in phase.evidence_rows else ()
+            if kind in ("recall", "program"):
+                build = recall_row if kind == "recall" else program_row
+                ids[row], answers, inserted, found = build(rng, self.corpus, length, prose)
+                evidence[row] = tuple(found) if kind in phase.evidence_rows else ()
                 targets[row, 1:] = 1.0
                 targets[row, inserted] = 0.0
                 targets[row, answers] = phase.copy_weight

@@ -27,7 +27,9 @@ class Mixture:
     hold link records and, after them, questions in the multi-hop task's words with their answers
     (see :func:`replaykv.train.rows.lookup_row`): many lookups by a random key per row. `recall`
     rows hold blocks of records each followed by one- and two-link questions inside one window
-    (see :func:`replaykv.train.rows.recall_row`)."""
+    (see :func:`replaykv.train.rows.recall_row`). `program` rows hold blocks of short chain
+    programs each followed by one question with its traced answer inside one window (see
+    :func:`replaykv.train.rows.program_row`)."""
 
     text: float = 0.45
     passkey: float = 0.15
@@ -39,6 +41,7 @@ class Mixture:
     repeat: float = 0.0
     lookup: float = 0.0
     recall: float = 0.0
+    program: float = 0.0
     prose_fraction: float = 0.3
     # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
     # half, questions after; see replaykv.train.rows.lookup_row).
@@ -72,6 +75,7 @@ class Mixture:
             "lookup": self.lookup,
             # last: zero weights at the end leave earlier phases' draws as they were
             "recall": self.recall,
+            "program": self.program,
         }
 
 
@@ -123,7 +127,9 @@ class Phase:
     the prompt its rivals (with `Mixture.trace_hops`, each hop's code in the answer, its
     evidence that hop's record); `chain`: with `Mixture.trace_chains`, each name or value of a
     chain row's answer, its evidence the line that gives it, every statement its rivals;
-    `recall`: a recall row's one-link questions); `evidence_tail`: 0, each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
+    `recall`: a recall row's one-link questions; `program`: each name or value of a program
+    row's answers, its evidence the line that gives it, the block's lines its rivals);
+    `evidence_tail`: 0, each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
     code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
     rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
@@ -170,9 +176,9 @@ class Phase:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
         if not self.evidence_loss >= 0:
             raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
-        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall", "chain"}:
+        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall", "chain", "program"}:
             raise ValueError(
-                f"phase {self.name}: evidence_rows are lookup, multihop, recall and/or chain rows"
+                f"phase {self.name}: evidence_rows are lookup, multihop, recall, chain and/or program rows"
             )
         if self.evidence_tail < 0:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")

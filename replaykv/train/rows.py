@@ -1,6 +1,6 @@
 """The row builders of the training mixture beyond plain text and task prompts: copy rows, lookup
-rows, recall rows and repeat rows (ids, loss masks and, for lookups, where each answer's evidence
-is), each a pure function of a random generator and a corpus window.
+rows, recall rows, program rows and repeat rows (ids, loss masks and, for lookups, where each
+answer's evidence is), each a pure function of a random generator and a corpus window.
 
 Not for: sampling a batch (see :class:`replaykv.train.data.MixtureSampler`) or the corpus itself
 (:mod:`replaykv.train.data`).
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replaykv.train.tasks import link_code
+from replaykv.train.tasks import link_code, program, traced_names
 
 if TYPE_CHECKING:
     from replaykv.train.data import Corpus
@@ -204,6 +204,61 @@ def recall_row(
             answer[at + lo : at + hi] = True
         lo, hi = records[int(np.flatnonzero(order == one)[0])]
         evidence.append(Evidence(at + one_answer - 1, at + lo, at + hi))
+        at += len(block) + int(rng.integers(0, 48))
+
+
+PROGRAM_BLOCK = 120  # bytes: a program with its question and answer, inside one window
+
+
+def program_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
+    """Blocks of one short chain program and one question in the chain task's words with its
+    traced answer, each block inside one window: ids [length], an answer mask [length] (True on
+    each answer's bytes after the asked name), a mask of every inserted byte and, for each
+    name or value the answer looks up, the row that predicts its first byte with the line that
+    gives it and the block's lines as rivals (`Evidence`, not keyed).
+
+    A block is a program of 2-4 names and 1-5 copies (:func:`replaykv.train.tasks.program`),
+    one line each, then `print(q): q = y = 123` for a name q drawn among all of them (an
+    unmoved one answers `q = 123`): every step is the latest assignment of a name before the
+    line found last, read with the window's full-resolution keys, the form the chain task's
+    traced answers take across the compressed entries. One question per program, so that no
+    answer's text stands between a later question and the lines it needs. Blocks are at most
+    `PROGRAM_BLOCK` bytes with 0-47 bytes of corpus text between them."""
+    ids = corpus.window(rng, length, prose)
+    answer = np.zeros(length, dtype=bool)
+    used = np.zeros(length, dtype=bool)
+    evidence: list[Evidence] = []
+    at = int(rng.integers(0, 48))
+    while True:
+        made = program(rng, int(rng.integers(2, 5)), int(rng.integers(1, 6)))
+        if made is None:
+            continue
+        names, _, lines, _ = made
+        q = str(rng.choice(names))
+        found, steps = traced_names(lines, q)
+        spans: list[tuple[int, int]] = []  # each line's [lo, hi) in the block, without newlines
+        block = b""
+        for line in lines:
+            spans.append((len(block) + 1, len(block) + 1 + len(line)))
+            block += f"\n{line}".encode()
+        block += f"\nprint({q}): ".encode()
+        first = len(block)  # the answer's first byte: q, copied from the question
+        text = " = ".join(steps)
+        block += f"{text}\n".encode()
+        if len(block) > PROGRAM_BLOCK:
+            continue
+        if at + len(block) > length:
+            return ids, answer, used, evidence
+        ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
+        used[at : at + len(block)] = True
+        answer[at + first + len(q) : at + first + len(text)] = True
+        rivals = tuple((at + lo, at + hi) for lo, hi in spans)
+        offset = first
+        for name, i in zip(steps[:-1], found, strict=True):
+            offset += len(name) + len(" = ")  # where the step found on line i starts
+            evidence.append(Evidence(at + offset - 1, *rivals[i], rivals, keyed=False))
         at += len(block) + int(rng.integers(0, 48))
 
 

@@ -209,20 +209,11 @@ def chain(
     """
     n_vars = int(rng.integers(3, 5)) if n_vars is None else n_vars
     steps = int(rng.integers(2, 11)) if steps is None else steps
-    names = [string.ascii_lowercase[i] for i in rng.choice(26, n_vars, replace=False)]
-    values = [int(v) for v in rng.choice(np.arange(100, 1000), n_vars, replace=False)]
-    for _ in range(100):
-        state = dict(zip(names, values, strict=True))
-        lines = [f"{n} = {v}" for n, v in state.items()]
-        for _ in range(steps):
-            dst, src = (str(x) for x in rng.choice(names, 2, replace=False))
-            state[dst] = state[src]
-            lines.append(f"{dst} = {src}")
-        moved = [n for n in names if state[n] != values[names.index(n)]]
-        if moved:
-            break
-    else:
+    made = program(rng, n_vars, steps)
+    if made is None:
         return None
+    names, values, lines, state = made
+    moved = [n for n in names if state[n] != values[names.index(n)]]
     q = str(rng.choice(moved))
     answer = state[q]
     intro, question = b"What does this program print?\n", f"\nprint({q})"
@@ -248,8 +239,7 @@ def chain(
     ids, start = chat_user([*intro, *body], question)
     ev = (start + len(intro) + block_off + ev_rel0, start + len(intro) + block_off + ev_rel1)
     records = tuple((start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans)
-    found = _lines_behind(lines, q)
-    names = [q] + [lines[i].split(" = ")[1] for i in found]
+    found, names = traced_names(lines, q)
     text = " = ".join(names) if trace else str(answer)
     offsets = np.cumsum([len(n) + len(" = ") for n in names[:-1]])
     questions = tuple((int(o), records[i]) for o, i in zip(offsets, found, strict=True)) if trace else ()
@@ -262,6 +252,34 @@ def chain(
         1 / n_vars,
         meta={"n_vars": n_vars, "steps": steps, "span": span, "records": records, "questions": questions},
     )
+
+
+def program(
+    rng: np.random.Generator, n_vars: int, steps: int
+) -> tuple[list[str], list[int], list[str], dict[str, int]] | None:
+    """A chain program: `n_vars` one-letter names each given a distinct three-digit literal
+    (`v = 123`), then `steps` copies `x = y` between two different names, drawn again until at
+    least one name ends with another's value (None after 100 draws). Returns the names, their
+    literals, the lines and the final values."""
+    names = [string.ascii_lowercase[i] for i in rng.choice(26, n_vars, replace=False)]
+    values = [int(v) for v in rng.choice(np.arange(100, 1000), n_vars, replace=False)]
+    for _ in range(100):
+        state = dict(zip(names, values, strict=True))
+        lines = [f"{n} = {v}" for n, v in state.items()]
+        for _ in range(steps):
+            dst, src = (str(x) for x in rng.choice(names, 2, replace=False))
+            state[dst] = state[src]
+            lines.append(f"{dst} = {src}")
+        if any(state[n] != v for n, v in zip(names, values, strict=True)):
+            return names, values, lines, state
+    return None
+
+
+def traced_names(lines: list[str], q: str) -> tuple[list[int], list[str]]:
+    """The lines behind `q`'s final value (see :func:`_lines_behind`) and the names and value a
+    traced answer writes, `q` first: `q = y = x = 123` is ``" = ".join(names)``."""
+    found = _lines_behind(lines, q)
+    return found, [q] + [lines[i].split(" = ")[1] for i in found]
 
 
 def _lines_behind(lines: list[str], q: str) -> list[int]:

@@ -5,6 +5,7 @@ generators themselves: tests/train/test_tasks.py)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from replaykv.train.data import MixtureSampler, list_files, load_corpus, split_of, stdlib_root
 from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
-from replaykv.train.rows import COPY_ALPHABET, copy_row, lookup_row, recall_row, repeat_row
+from replaykv.train.rows import COPY_ALPHABET, copy_row, lookup_row, program_row, recall_row, repeat_row
 
 FILES = 40
 
@@ -158,9 +159,11 @@ RECORD = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
 QUESTION = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): ([A-Z0-9]{4})\n")
 
 
-def assert_rows_weigh_answers(corpus, kind: str, answers: int, text: int) -> None:  # type: ignore[no-untyped-def]
+def assert_rows_weigh_answers(  # type: ignore[no-untyped-def]
+    corpus, kind: str, answers: int, text: int, alphabet: np.ndarray = COPY_ALPHABET
+) -> None:
     """A batch of `kind` rows only: at least `answers` answer bytes a row at the copy weight, all
-    codes, more than `text` bytes of text at weight 1, inserted bytes at 0."""
+    from `alphabet` (codes), more than `text` bytes of text at weight 1, inserted bytes at 0."""
     weights = {k: 0.0 for k in ("text", "passkey", "multihop", "chain", "extract", "tool")}
     mix = Mixture(**weights, **{kind: 1.0})
     recipe = dataclasses.replace(
@@ -170,7 +173,7 @@ def assert_rows_weigh_answers(corpus, kind: str, answers: int, text: int) -> Non
     assert batch.kinds == (kind, kind)
     for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True):
         at = np.flatnonzero(t == 5.0)
-        assert len(at) >= answers and np.isin(ids[at], COPY_ALPHABET).all()
+        assert len(at) >= answers and np.isin(ids[at], alphabet).all()
         assert set(np.unique(t)) <= {0.0, 1.0, 5.0} and (t == 1.0).sum() > text
 
 
@@ -254,6 +257,68 @@ def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # t
             assert e.query == q.start(3) - 1 and e.records == spans and (e.lo, e.hi) in spans
             assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
     assert_rows_weigh_answers(corpus, "recall", 24, 64)
+
+
+PROGRAM_LINE = re.compile(rb"([a-z]) = ([a-z]|[0-9]{3})")
+
+
+def test_program_rows_ask_for_traced_chains_inside_a_window(corpus) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(13)
+    lengths = set()
+    for _ in range(20):
+        ids, answers, inserted, evidence = program_row(rng, corpus["train"], 512)
+        assert ids.shape == answers.shape == inserted.shape == (512,) and not (answers & ~inserted).any()
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        expected = np.zeros(512, dtype=bool)
+        steps = []  # (query, lo, hi, lines of the block) for every name or value looked up
+        at = 0
+        asked = list(re.finditer(rb"\nprint\(([a-z])\): ([a-z0-9 =]+)\n", text))
+        assert len(asked) >= 4
+        for m in asked:
+            start = int(np.flatnonzero(inserted[at : m.start() + 1])[0]) + at  # the block's first byte
+            block = text[start : m.start()]
+            lines = _program_lines(block, start)
+            assert inserted[start : m.end()].all()
+            assert m.end() - start <= 120  # the program, question and answer inside one window
+            names = m.group(2).split(b" = ")
+            assert names[0] == m.group(1) and names[-1].isdigit()
+            # Run the program: q's final value is the answer's value.
+            state: dict[bytes, bytes] = {}
+            for _, dst, src, _ in lines:
+                state[dst] = src if src.isdigit() else state[src]
+            assert state[m.group(1)] == names[-1]
+            # Each step is the latest assignment of the name before the line found last.
+            bound = len(lines)
+            offset = m.start(2)
+            for name, source in itertools.pairwise(names):
+                k = max(i for i in range(bound) if lines[i][1] == name)
+                lo, _, src, line = lines[k]
+                assert src == source
+                offset += len(name) + 3
+                steps.append((offset - 1, lo, lo + len(line), len(lines)))
+                bound = k
+            lengths.add(len(names))
+            expected[m.start(2) + 1 : m.end(2)] = True
+            at = m.end()
+        assert (answers == expected).all()
+        assert [(e.query, e.lo, e.hi, len(e.records)) for e in evidence] == steps
+        assert not any(e.keyed for e in evidence)
+        assert all(PROGRAM_LINE.fullmatch(text[lo:hi]) for e in evidence for lo, hi in e.records)
+    assert {2, 3, 4} <= lengths  # answers of one, two and three lookups
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789 =", dtype=np.uint8)
+    assert_rows_weigh_answers(corpus, "program", 24, 64, letters)
+
+
+def _program_lines(block: bytes, start: int) -> list[tuple[int, bytes, bytes, bytes]]:
+    """Each newline-led line of a program block at row position `start`: where its text starts
+    in the row, its name, its source (a name or a literal) and its text."""
+    out, k = [], start
+    for part in block.split(b"\n")[1:]:
+        m = PROGRAM_LINE.fullmatch(part)
+        assert m is not None, part
+        out.append((k + 1, m.group(1), m.group(2), part))
+        k += 1 + len(part)
+    return out
 
 
 def test_answer_weight_scales_answer_targets_only(corpus) -> None:  # type: ignore[no-untyped-def]

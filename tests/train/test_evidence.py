@@ -284,3 +284,29 @@ def test_traced_chain_rows_ask_for_each_line_behind_the_value(corpus) -> None:  
             assert not e.keyed  # a statement is no `A -> B` record for the record-key loss
         seen += 1
     assert seen >= 8
+
+
+def test_program_rows_carry_each_step_and_train_through_the_loss(corpus) -> None:  # type: ignore[no-untyped-def]
+    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "program": 1.0})
+    phase = Phase(
+        "programs", 4, 512, 2, only, evidence_loss=1.0, evidence_contrast=True, evidence_rows=("program",)
+    )
+    recipe = dataclasses.replace(tiny(), phases=(phase,))
+    batch = MixtureSampler(corpus["train"], recipe, 128).batch(0)
+    assert batch.kinds == ("program", "program") and all(len(found) >= 4 for found in batch.evidence)
+    for row, found in zip(batch.ids, batch.evidence, strict=True):
+        text = bytes(int(t) if t < 256 else 0 for t in row)
+        for e in found:
+            # the row before a looked-up name or value, and the line `dst = src` that gives it
+            line = text[e.lo : e.hi]
+            assert re.fullmatch(rb"[a-z] = ([a-z]|[0-9]{3})", line) and (e.lo, e.hi) in e.records
+            src = line.split(b" = ")[1]
+            assert text[e.query + 1 : e.query + 1 + len(src)] == src and e.query > e.hi and not e.keyed
+    model = tiny_model()
+    spec = ModelSpec.from_config(model.config)
+    hooks = EvidenceAttention(model)
+    logged = accumulate_gradients(
+        model, spec, batch, phase, recipe, IndexerDistillation(model, 0), torch.device("cpu"), 1, hooks
+    )
+    hooks.remove()
+    assert logged["evidence"] > 0
