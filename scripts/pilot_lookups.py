@@ -14,7 +14,8 @@ replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive fo
 counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
 `--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
 `--record-key-layers`), with `--trace-hops` and `--trace-chains`, multi-hop and chain rows
-that answer with every step (`B -> C`, `q = y = x = 123`), with `--cycle`, the row shapes in turn that the recipe's last phases use,
+that answer with every step (`B (1) -> C (2)`, `q = y = x = 123`), with `--cycle`, the row
+shapes in turn that the recipe's last phases use,
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same
 bits; the state of each arm is kept in OUT/ARM/ for a longer look.

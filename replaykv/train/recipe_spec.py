@@ -46,7 +46,7 @@ class Mixture:
     # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
     # half, questions after; see replaykv.train.rows.lookup_row).
     lookup_segment: int = 0
-    # Multi-hop task rows answer with every code reached, `B -> C` (replaykv.train.tasks.multihop's
+    # Multi-hop task rows answer with every code reached, `B (1) -> C (2)` (tasks.multihop's
     # `trace`): one lookup per hop instead of two composed in one forward pass.
     trace_hops: bool = False
     # Chain task rows answer with the lines behind the value, `q = y = x = 123`
@@ -238,7 +238,7 @@ class BarSpec:
     """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
     `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
     as (label, tokens); a tokens value above W puts it before the question's window.
-    `trace_hops`: the multi-hop cell's answers name every code reached (`B -> C`, as rows of
+    `trace_hops`: the multi-hop cell's answers name every code reached (`B (1) -> C (2)`, as rows of
     `Mixture.trace_hops` teach), scored by exact match of the whole answer; its chance stays
     the last code's. `trace_chains`: the chain cell's answers write the lines behind the value
     (`q = y = x = 123`, `Mixture.trace_chains`), the same way."""

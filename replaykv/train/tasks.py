@@ -110,9 +110,11 @@ def multihop(
 
     The evidence is the record holding the answer (the last link); the other records sit at
     random places, so every hop is a lookup across the context. The answer is the last code; with
-    `trace`, every code reached in order, `B -> C` for two links (each hop one lookup by a code
-    the answer has just written; a one-link answer is the same either way). `meta["links"]`: the
-    records of the chain's links in order, as prompt positions without their newlines.
+    `trace`, every code reached in order, each with its hop's number, `B (1) -> C (2)` for two
+    links: each hop is one lookup by a code the answer has just written, and whether another
+    follows is whether the number just written is the question's, not a count of the codes
+    behind. `meta["links"]`: the records of the chain's links in order, as prompt positions
+    without their newlines.
     """
     hops = int(rng.integers(1, 4)) if hops is None else hops
     distractors = int(rng.integers(2, 7)) if distractors is None else distractors
@@ -159,7 +161,7 @@ def multihop(
     # records are distinct (their codes are), so a link's text names its insert
     at = {text: span for (_, text), span in zip(inserts, in_prompt, strict=True)}
     links = tuple(at[r] for r in records[:hops])
-    answer = " -> ".join(chain[1:]) if trace else chain[-1]
+    answer = " -> ".join(f"{code} ({k})" for k, code in enumerate(chain[1:], 1)) if trace else chain[-1]
     # each code of the answer, at its offset, with the record that gives it
     questions = (
         tuple((answer.index(code), link) for code, link in zip(chain[1:], links, strict=True))

@@ -261,7 +261,7 @@ def _traced_rows(corpus, task: str, steps: int):  # type: ignore[no-untyped-def]
 def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type: ignore[no-untyped-def]
     longer = 0
     for text, sample, found, prompt_len in _traced_rows(corpus, "multihop", 4):
-        codes = sample.answer_text.split(" -> ")
+        codes = [step.split(" (")[0] for step in sample.answer_text.split(" -> ")]
         assert len(found) == sample.meta["hops"] == len(codes)
         for e, code in zip(found, codes, strict=True):
             # the row that predicts this hop's code, and the record that gives it

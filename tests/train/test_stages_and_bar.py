@@ -177,8 +177,8 @@ def test_a_traced_bar_asks_the_same_cases_for_every_step(corpus) -> None:  # typ
     plain = bar_cases(corpus["heldout"], SPEC, 144, window=8)["multihop"]
     traced = bar_cases(corpus["heldout"], traced_spec, 144, window=8)["multihop"]
     assert [c.prompt for c in traced] == [c.prompt for c in plain] and len(plain) == 3
-    for t, p in zip(traced, plain, strict=True):  # two links: `B -> C` where the plain answer is C
-        assert t.answer_text.endswith(" -> " + p.answer_text) and len(t.answer_text) == 12
+    for t, p in zip(traced, plain, strict=True):  # two links: `B (1) -> C (2)`, the plain answer C
+        assert t.answer_text.endswith(f" -> {p.answer_text} (2)") and len(t.answer_text) == 20
         assert t.chance == p.chance
     assert traced_spec.digest() != SPEC.digest()
     chains = dataclasses.replace(SPEC, trace_chains=True)
