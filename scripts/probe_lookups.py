@@ -49,6 +49,7 @@ CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
 # chains with the lines behind the value, `q = y = x = 123` (tasks.chain's `trace`); the chance
 # stated is the last code's or value's.
 TRACE_CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
+    ("multihop, 1 link, hops written", "multihop", {"hops": 1, "distractors": 4, "trace": True}, 1 / 5),
     ("multihop, 2 links, hops written", "multihop", {"hops": 2, "distractors": 4, "trace": True}, 1 / 6),
     ("chain, 6 copies, lines written", "chain", {"n_vars": 4, "steps": 6, "span": 384, "trace": True}, 1 / 4),
 )
