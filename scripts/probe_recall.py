@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -40,21 +41,29 @@ RECORD = re.compile(rb"\n([A-Z0-9]{4}) -> ([A-Z0-9]{4})\n")
 PRINT = re.compile(rb"\nprint\(([a-z])\): ([a-z0-9 =]+)\n")
 
 
+def predicted_rows(
+    model: Any, heldout: Corpus, rows: int, build: Callable[..., Any]
+) -> Iterator[tuple[np.ndarray, np.ndarray, bytes]]:
+    """Held-out rows of `build` (seed SEED, LENGTH bytes): each row's ids, the argmax at every
+    position (pred[i] predicts ids[i + 1]) and its text."""
+    spec = ModelSpec.from_config(model.config)
+    rng = np.random.default_rng(SEED)
+    for _ in range(rows):
+        ids = build(rng, heldout, LENGTH)[0]
+        view = allocate_view(spec, 1, LENGTH, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            pred = model(torch.from_numpy(ids)[None], view)[0].argmax(-1).numpy()  # [L]
+        yield ids, pred, bytes(int(i) if i < 256 else 0 for i in ids)
+
+
 def score(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
     """Per number of links: questions, whole answers right, per-byte share right and the first
     byte's argmax by kind (right, another record's answer, none)."""
-    spec = ModelSpec.from_config(model.config)
-    rng = np.random.default_rng(SEED)
     out: dict[int, dict[str, Any]] = {
         h: {"n": 0, "right": 0, "bytes": np.zeros(4), "first": {"right": 0, "another record": 0, "none": 0}}
         for h in (1, 2)
     }
-    for _ in range(rows):
-        ids = recall_row(rng, heldout, LENGTH)[0]
-        view = allocate_view(spec, 1, LENGTH, torch.device("cpu"), torch.float32)
-        with torch.no_grad():
-            pred = model(torch.from_numpy(ids)[None], view)[0].argmax(-1).numpy()  # [L]
-        text = bytes(int(i) if i < 256 else 0 for i in ids)
+    for ids, pred, text in predicted_rows(model, heldout, rows, recall_row):
         answers = {m.group(2)[0] for m in RECORD.finditer(text)}
         for q in QUESTION.finditer(text):
             cell, a = out[int(q.group(1))], q.start(3)
@@ -70,16 +79,9 @@ def score(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
 def score_programs(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
     """Per number of lookups in the answer: questions, whole answers right and each lookup
     right (teacher forced: the argmax of every byte of the name or value it writes)."""
-    spec = ModelSpec.from_config(model.config)
-    rng = np.random.default_rng(SEED)
     out: dict[int, dict[str, Any]] = {}
-    for _ in range(rows):
-        ids = program_row(rng, heldout, LENGTH)[0]
-        view = allocate_view(spec, 1, LENGTH, torch.device("cpu"), torch.float32)
-        with torch.no_grad():
-            pred = model(torch.from_numpy(ids)[None], view)[0].argmax(-1).numpy()  # [L]
+    for ids, pred, text in predicted_rows(model, heldout, rows, program_row):
         right = np.concatenate([[False], pred[:-1] == ids[1:]])  # byte i predicted right
-        text = bytes(int(i) if i < 256 else 0 for i in ids)
         for q in PRINT.finditer(text):
             names = q.group(2).split(b" = ")
             cell = out.setdefault(len(names) - 1, {"n": 0, "right": 0, "steps": np.zeros(len(names) - 1)})
