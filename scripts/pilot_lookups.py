@@ -14,7 +14,7 @@ replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive fo
 counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
 `--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
 `--record-key-layers`), with `--trace-hops` and `--trace-chains`, multi-hop and chain rows
-that answer with every step (`B (1) -> C (2)`, `q = y = x = 123`), with `--cycle`, the row
+that answer with every step (`2: B (1) -> C (0)`, `q = y = x = 123`), with `--cycle`, the row
 shapes in turn that the recipe's last phases use,
 and is scored by scripts/probe_lookups.py's cells (teacher-forced and greedy, held-out filler)
 at each probe length. Arms run one after another in one process, so their batches are the same

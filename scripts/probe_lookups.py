@@ -7,7 +7,7 @@ Seven cells of held-out cases (filler from held-out files, seed 555, not the bar
 with one link and four distractors (chance 1/5), with two links and four distractors (the bar's
 form, chance 1/6), a chain of one copy inside one window (chance 1/4) and of six copies over three
 windows (the bar's form, chance 1/4), one link with its record inside the question's window
-(chance 1/5), two links answered with both codes (`B (1) -> C (2)`, chance of the last code 1/6) and the
+(chance 1/5), two links answered with both codes (`2: B (1) -> C (0)`, chance of the last code 1/6) and the
 bar's chains answered with the lines behind the value (`q = y = x = 123`, chance 1/4).
 Teacher-forced and greedy exact match per cell, as the bar scores them
 (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless --threads says
@@ -45,7 +45,7 @@ CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
     # The record ends 60 tokens before the prompt's end: read at full resolution in the window.
     ("multihop, 1 link inside the last window", "multihop", {"hops": 1, "distractors": 4, "tail": 60}, 1 / 5),
 )
-# The bar's two links answered with both codes, `B (1) -> C (2)` (tasks.multihop's `trace`), and its
+# The bar's two links answered with both codes, `2: B (1) -> C (0)` (tasks.multihop's `trace`), and its
 # chains with the lines behind the value, `q = y = x = 123` (tasks.chain's `trace`); the chance
 # stated is the last code's or value's.
 TRACE_CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (

@@ -13,13 +13,15 @@ record's of the row, or no record's answer. With `--kind program`, held-out prog
 (`replaykv.train.rows.program_row`: short chain programs each followed by `print(q):` and its
 traced answer `q = y = 123`, inside one window), per number of lookups in the answer: whole
 answers right (teacher forced) and each lookup right (its name or value after `q = `, the
-latest assignment of the name before the line found last). One torch thread unless --threads
-says otherwise.
+latest assignment of the name before the line found last); `--kind recency` the same for
+their recency form (names assigned again and again, the asked one more than once). One torch
+thread unless --threads says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -76,11 +78,15 @@ def score(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
     return out
 
 
-def score_programs(model: Any, heldout: Corpus, rows: int) -> dict[int, dict[str, Any]]:
+def score_programs(
+    model: Any, heldout: Corpus, rows: int, recency: bool = False
+) -> dict[int, dict[str, Any]]:
     """Per number of lookups in the answer: questions, whole answers right and each lookup
-    right (teacher forced: the argmax of every byte of the name or value it writes)."""
+    right (teacher forced: the argmax of every byte of the name or value it writes); program
+    rows, or with `recency` their recency form."""
     out: dict[int, dict[str, Any]] = {}
-    for ids, pred, text in predicted_rows(model, heldout, rows, program_row):
+    build = functools.partial(program_row, recency=recency)
+    for ids, pred, text in predicted_rows(model, heldout, rows, build):
         right = np.concatenate([[False], pred[:-1] == ids[1:]])  # byte i predicted right
         for q in PRINT.finditer(text):
             names = q.group(2).split(b" = ")
@@ -100,13 +106,14 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--rows", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--kind", choices=("recall", "program"), default="recall")
+    p.add_argument("--kind", choices=("recall", "program", "recency"), default="recall")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model).float().eval()
     t0 = time.perf_counter()
-    if args.kind == "program":
-        for lookups, cell in score_programs(model, load_corpus()["heldout"], args.rows).items():
+    if args.kind in ("program", "recency"):
+        scored = score_programs(model, load_corpus()["heldout"], args.rows, args.kind == "recency")
+        for lookups, cell in scored.items():
             steps = " ".join(f"{int(v)}" for v in cell["steps"])
             print(
                 f"{lookups} lookup(s): {cell['right']}/{cell['n']} whole answers; by lookup {steps}",

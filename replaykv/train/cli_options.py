@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bar-traced",
         action="store_true",
         help="--bar with the multi-hop and chain cells answered step by step (BarSpec.trace_hops and "
-        "trace_chains: `B (1) -> C (2)`, `q = y = x = 123`)",
+        "trace_chains: `2: B (1) -> C (0)`, `q = y = x = 123`)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to OUT)")
     pp = p.add_argument_group("pipeline parallelism (replaykv.train.pipeline)")

@@ -14,6 +14,7 @@ loss mask, so a batch is a pure function of its step (resuming needs no data sta
     lookup row [text .. A -> B .. B -> C .. | .. from A: C .. ...]  loss on text and each answer
     recall row [A -> B  C -> D .. from A: D .. text .. (blocks)  ]  loss on text and each answer
     program    [x = 1 y = x print(y): y = x = 1 .. text (blocks)]  loss on text and each answer
+    recency    [x = 1 y = 2 x = 3 print(x): x = 3 .. text (blocks)]  loss on text and each answer
 
 All rows of a batch share the prompt length P and, in replay-adaptation steps, the cut point, so
 the replay paths can run them as one batch. Not for: running the model (see
@@ -265,9 +266,12 @@ class MixtureSampler:
                     targets[row, repeat] = 0.0
                 targets[row, mask] = phase.copy_weight
                 continue
-            if kind in ("recall", "program"):
-                build = recall_row if kind == "recall" else program_row
-                ids[row], answers, inserted, found = build(rng, self.corpus, length, prose)
+            if kind in ("recall", "program", "recency"):
+                if kind == "recall":
+                    built = recall_row(rng, self.corpus, length, prose)
+                else:
+                    built = program_row(rng, self.corpus, length, prose, recency=kind == "recency")
+                ids[row], answers, inserted, found = built
                 evidence[row] = tuple(found) if kind in phase.evidence_rows else ()
                 targets[row, 1:] = 1.0
                 targets[row, inserted] = 0.0

@@ -29,7 +29,8 @@ class Mixture:
     rows hold blocks of records each followed by one- and two-link questions inside one window
     (see :func:`replaykv.train.rows.recall_row`). `program` rows hold blocks of short chain
     programs each followed by one question with its traced answer inside one window (see
-    :func:`replaykv.train.rows.program_row`)."""
+    :func:`replaykv.train.rows.program_row`); `recency` rows the same with programs that assign
+    names again and again, the question the latest assignment (its `recency` form)."""
 
     text: float = 0.45
     passkey: float = 0.15
@@ -42,11 +43,12 @@ class Mixture:
     lookup: float = 0.0
     recall: float = 0.0
     program: float = 0.0
+    recency: float = 0.0
     prose_fraction: float = 0.3
     # Lookup rows in segments of this many bytes, one chain each (0: records in the row's first
     # half, questions after; see replaykv.train.rows.lookup_row).
     lookup_segment: int = 0
-    # Multi-hop task rows answer with every code reached, `B (1) -> C (2)` (tasks.multihop's
+    # Multi-hop task rows answer with every code reached, `2: B (1) -> C (0)` (tasks.multihop's
     # `trace`): one lookup per hop instead of two composed in one forward pass.
     trace_hops: bool = False
     # Chain task rows answer with the lines behind the value, `q = y = x = 123`
@@ -76,6 +78,7 @@ class Mixture:
             # last: zero weights at the end leave earlier phases' draws as they were
             "recall": self.recall,
             "program": self.program,
+            "recency": self.recency,
         }
 
 
@@ -127,8 +130,9 @@ class Phase:
     the prompt its rivals (with `Mixture.trace_hops`, each hop's code in the answer, its
     evidence that hop's record); `chain`: with `Mixture.trace_chains`, each name or value of a
     chain row's answer, its evidence the line that gives it, every statement its rivals;
-    `recall`: a recall row's one-link questions; `program`: each name or value of a program
-    row's answers, its evidence the line that gives it, the block's lines its rivals);
+    `recall`: a recall row's one-link questions; `program` / `recency`: each name or value of a
+    program (recency) row's answers, its evidence the line that gives it, the block's lines its
+    rivals);
     `evidence_tail`: 0, each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
     code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
@@ -176,9 +180,9 @@ class Phase:
             raise ValueError(f"phase {self.name}: copy_weight must be positive")
         if not self.evidence_loss >= 0:
             raise ValueError(f"phase {self.name}: evidence_loss must not be negative")
-        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall", "chain", "program"}:
+        if not set(self.evidence_rows) <= {"lookup", "multihop", "recall", "chain", "program", "recency"}:
             raise ValueError(
-                f"phase {self.name}: evidence_rows are lookup, multihop, recall, chain and/or program rows"
+                f"phase {self.name}: evidence_rows are lookup, multihop, recall, chain, program and/or recency rows"
             )
         if self.evidence_tail < 0:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
@@ -238,7 +242,7 @@ class BarSpec:
     """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
     `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
     as (label, tokens); a tokens value above W puts it before the question's window.
-    `trace_hops`: the multi-hop cell's answers name every code reached (`B (1) -> C (2)`, as rows of
+    `trace_hops`: the multi-hop cell's answers name every code reached (`2: B (1) -> C (0)`, as rows of
     `Mixture.trace_hops` teach), scored by exact match of the whole answer; its chance stays
     the last code's. `trace_chains`: the chain cell's answers write the lines behind the value
     (`q = y = x = 123`, `Mixture.trace_chains`), the same way."""

@@ -1,5 +1,5 @@
 """The row builders of the training mixture beyond plain text and task prompts: copy rows, lookup
-rows, recall rows, program rows and repeat rows (ids, loss masks and, for lookups, where each
+rows, recall rows, program rows (and their recency form) and repeat rows (ids, loss masks and, for lookups, where each
 answer's evidence is), each a pure function of a random generator and a corpus window.
 
 Not for: sampling a batch (see :class:`replaykv.train.data.MixtureSampler`) or the corpus itself
@@ -9,6 +9,7 @@ Not for: sampling a batch (see :class:`replaykv.train.data.MixtureSampler`) or t
 from __future__ import annotations
 
 import itertools
+import string
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -210,8 +211,30 @@ def recall_row(
 PROGRAM_BLOCK = 120  # bytes: a program with its question and answer, inside one window
 
 
+def recency_program(rng: np.random.Generator) -> tuple[list[str], list[str], str]:
+    """A short program where names are assigned again and again: 2-4 one-letter names, one to
+    five more lines than names, each line `x = 123` (a literal not used before) or `x = y` (a
+    name already assigned), the first line of every name a literal only when no other name is
+    assigned yet. Returns the names assigned, the lines and the asked name q, one assigned two
+    or more times when there is one: the literal line alone does not answer it, its latest
+    assignment does, wherever in the program that is."""
+    names = [string.ascii_lowercase[i] for i in rng.choice(26, int(rng.integers(2, 5)), replace=False)]
+    values = iter(int(v) for v in rng.choice(np.arange(100, 1000), 16, replace=False))
+    lines: list[str] = []
+    count = dict.fromkeys(names, 0)
+    for _ in range(len(names) + int(rng.integers(1, 6))):
+        dst = str(rng.choice(names))
+        sources = [n for n in names if count[n] and n != dst]
+        src = str(rng.choice(sources)) if sources and rng.uniform() < 0.5 else str(next(values))
+        lines.append(f"{dst} = {src}")
+        count[dst] += 1
+    assigned = [n for n in names if count[n]]
+    again = [n for n in assigned if count[n] > 1]
+    return assigned, lines, str(rng.choice(again or assigned))
+
+
 def program_row(
-    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False, recency: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
     """Blocks of one short chain program and one question in the chain task's words with its
     traced answer, each block inside one window: ids [length], an answer mask [length] (True on
@@ -225,18 +248,24 @@ def program_row(
     line found last, read with the window's full-resolution keys, the form the chain task's
     traced answers take across the compressed entries. One question per program, so that no
     answer's text stands between a later question and the lines it needs. Blocks are at most
-    `PROGRAM_BLOCK` bytes with 0-47 bytes of corpus text between them."""
+    `PROGRAM_BLOCK` bytes with 0-47 bytes of corpus text between them. With `recency`, the
+    programs are :func:`recency_program`'s (names given literals and copies again and again, in
+    any order; the asked name one assigned more than once): the latest of several lines that
+    start with the same name, which the chain programs' literal-first order lets a model skip."""
     ids = corpus.window(rng, length, prose)
     answer = np.zeros(length, dtype=bool)
     used = np.zeros(length, dtype=bool)
     evidence: list[Evidence] = []
     at = int(rng.integers(0, 48))
     while True:
-        made = program(rng, int(rng.integers(2, 5)), int(rng.integers(1, 6)))
-        if made is None:
-            continue
-        names, _, lines, _ = made
-        q = str(rng.choice(names))
+        if recency:
+            _, lines, q = recency_program(rng)
+        else:
+            made = program(rng, int(rng.integers(2, 5)), int(rng.integers(1, 6)))
+            if made is None:
+                continue
+            names, _, lines, _ = made
+            q = str(rng.choice(names))
         found, steps = traced_names(lines, q)
         spans: list[tuple[int, int]] = []  # each line's [lo, hi) in the block, without newlines
         block = b""

@@ -58,6 +58,7 @@ __all__ = [
     "link_code",
     "one_insert_prompt",
     "score",
+    "traced_hops",
 ]
 
 TASKS = ("passkey", "multihop", "chain", "extract", "tool")
@@ -110,11 +111,9 @@ def multihop(
 
     The evidence is the record holding the answer (the last link); the other records sit at
     random places, so every hop is a lookup across the context. The answer is the last code; with
-    `trace`, every code reached in order, each with its hop's number, `B (1) -> C (2)` for two
-    links: each hop is one lookup by a code the answer has just written, and whether another
-    follows is whether the number just written is the question's, not a count of the codes
-    behind. `meta["links"]`: the records of the chain's links in order, as prompt positions
-    without their newlines.
+    `trace`, the question's number and then every code reached in order, each with the number of
+    links left after it (:func:`traced_hops`). `meta["links"]`: the records of the chain's links
+    in order, as prompt positions without their newlines.
     """
     hops = int(rng.integers(1, 4)) if hops is None else hops
     distractors = int(rng.integers(2, 7)) if distractors is None else distractors
@@ -161,7 +160,7 @@ def multihop(
     # records are distinct (their codes are), so a link's text names its insert
     at = {text: span for (_, text), span in zip(inserts, in_prompt, strict=True)}
     links = tuple(at[r] for r in records[:hops])
-    answer = " -> ".join(f"{code} ({k})" for k, code in enumerate(chain[1:], 1)) if trace else chain[-1]
+    answer = traced_hops(chain[1:]) if trace else chain[-1]
     # each code of the answer, at its offset, with the record that gives it
     questions = (
         tuple((answer.index(code), link) for code, link in zip(chain[1:], links, strict=True))
@@ -183,6 +182,17 @@ def multihop(
             "questions": questions,
         },
     )
+
+
+def traced_hops(codes: list[str]) -> str:
+    """A traced multi-hop answer: `2: B (1) -> C (0)` for the codes B, C of two links.
+
+    The answer first copies the question's number (a fixed distance back), then after each code
+    writes the links left, one less than the number before it (a fixed distance back too), and
+    closes after `(0)`: every decision, the count and the stop, reads a token at a fixed offset
+    instead of comparing a count with the question's number."""
+    n = len(codes)
+    return f"{n}: " + " -> ".join(f"{code} ({n - k})" for k, code in enumerate(codes, 1))
 
 
 def chain(

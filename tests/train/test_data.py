@@ -4,6 +4,7 @@ generators themselves: tests/train/test_tasks.py)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import re
@@ -262,11 +263,13 @@ def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # t
 PROGRAM_LINE = re.compile(rb"([a-z]) = ([a-z]|[0-9]{3})")
 
 
-def test_program_rows_ask_for_traced_chains_inside_a_window(corpus) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("recency", [False, True])
+def test_program_rows_ask_for_traced_chains_inside_a_window(corpus, recency) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(13)
     lengths = set()
+    late_literals = 0  # programs with a literal line after a copy
     for _ in range(20):
-        ids, answers, inserted, evidence = program_row(rng, corpus["train"], 512)
+        ids, answers, inserted, evidence = program_row(rng, corpus["train"], 512, recency=recency)
         assert ids.shape == answers.shape == inserted.shape == (512,) and not (answers & ~inserted).any()
         text = bytes(int(i) if i < 256 else 0 for i in ids)
         expected = np.zeros(512, dtype=bool)
@@ -287,6 +290,11 @@ def test_program_rows_ask_for_traced_chains_inside_a_window(corpus) -> None:  # 
             for _, dst, src, _ in lines:
                 state[dst] = src if src.isdigit() else state[src]
             assert state[m.group(1)] == names[-1]
+            times = collections.Counter(dst for _, dst, _, _ in lines)
+            if recency:  # the asked name is one assigned again whenever there is one
+                assert times[m.group(1)] > 1 or max(times.values()) == 1
+            copied = [i for i, (_, _, src, _) in enumerate(lines) if not src.isdigit()]
+            late_literals += any(src.isdigit() for _, _, src, _ in lines[copied[0] :]) if copied else 0
             # Each step is the latest assignment of the name before the line found last.
             bound = len(lines)
             offset = m.start(2)
@@ -305,8 +313,10 @@ def test_program_rows_ask_for_traced_chains_inside_a_window(corpus) -> None:  # 
         assert not any(e.keyed for e in evidence)
         assert all(PROGRAM_LINE.fullmatch(text[lo:hi]) for e in evidence for lo, hi in e.records)
     assert {2, 3, 4} <= lengths  # answers of one, two and three lookups
+    # chain programs give every literal first; their recency form mixes literals and copies
+    assert (late_literals > 20) if recency else (late_literals == 0)
     letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789 =", dtype=np.uint8)
-    assert_rows_weigh_answers(corpus, "program", 24, 64, letters)
+    assert_rows_weigh_answers(corpus, "recency" if recency else "program", 24, 64, letters)
 
 
 def _program_lines(block: bytes, start: int) -> list[tuple[int, bytes, bytes, bytes]]:

@@ -261,14 +261,15 @@ def _traced_rows(corpus, task: str, steps: int):  # type: ignore[no-untyped-def]
 def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type: ignore[no-untyped-def]
     longer = 0
     for text, sample, found, prompt_len in _traced_rows(corpus, "multihop", 4):
-        codes = [step.split(" (")[0] for step in sample.answer_text.split(" -> ")]
+        steps = sample.answer_text.split(": ", 1)[1].split(" -> ")  # `2: B (1) -> C (0)`
+        codes = [step.split(" (")[0] for step in steps]
         assert len(found) == sample.meta["hops"] == len(codes)
         for e, code in zip(found, codes, strict=True):
             # the row that predicts this hop's code, and the record that gives it
             assert text[e.query + 1 : e.query + 5] == code.encode()
             assert text[e.lo : e.hi].endswith(b" -> " + code.encode())
             assert e.records == found[0].records and (e.lo, e.hi) in e.records and e.keyed
-        assert found[0].query == prompt_len - 1
+        assert found[0].query == prompt_len - 1 + len(f"{len(codes)}: ")  # after the question's number
         longer += len(codes) > 1
     assert longer >= 4
 
@@ -286,14 +287,15 @@ def test_traced_chain_rows_ask_for_each_line_behind_the_value(corpus) -> None:  
     assert seen >= 8
 
 
-def test_program_rows_carry_each_step_and_train_through_the_loss(corpus) -> None:  # type: ignore[no-untyped-def]
-    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "program": 1.0})
+@pytest.mark.parametrize("kind", ["program", "recency"])
+def test_program_rows_carry_each_step_and_train_through_the_loss(corpus, kind) -> None:  # type: ignore[no-untyped-def]
+    only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, kind: 1.0})
     phase = Phase(
-        "programs", 4, 512, 2, only, evidence_loss=1.0, evidence_contrast=True, evidence_rows=("program",)
+        "programs", 4, 512, 2, only, evidence_loss=1.0, evidence_contrast=True, evidence_rows=(kind,)
     )
     recipe = dataclasses.replace(tiny(), phases=(phase,))
     batch = MixtureSampler(corpus["train"], recipe, 128).batch(0)
-    assert batch.kinds == ("program", "program") and all(len(found) >= 4 for found in batch.evidence)
+    assert batch.kinds == (kind, kind) and all(len(found) >= 4 for found in batch.evidence)
     for row, found in zip(batch.ids, batch.evidence, strict=True):
         text = bytes(int(t) if t < 256 else 0 for t in row)
         for e in found:

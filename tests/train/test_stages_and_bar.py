@@ -109,11 +109,14 @@ def test_a_stage_checkpoint_lets_a_bare_machine_continue(tmp_path, corpus) -> No
 
 
 def test_a_sharded_stage_checkpoint_ships_over_a_single_file_one_and_a_bare_machine_continues_from_it(
-    tmp_path, corpus  # type: ignore[no-untyped-def]
+    tmp_path,
+    corpus,  # type: ignore[no-untyped-def]
 ) -> None:
     recipe = _staged()
     out = tmp_path / "run"
-    loop.train(recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False, shard_bytes=1 << 20)
+    loop.train(
+        recipe, out, corpus=corpus, progress=False, stages=1, evaluate_at_end=False, shard_bytes=1 << 20
+    )
     files = weight_files(out / "stage")
     assert len(files) >= 2 and all(f.stat().st_size <= 1 << 20 for f in files)
     shipped = tmp_path / "weights"
@@ -177,8 +180,9 @@ def test_a_traced_bar_asks_the_same_cases_for_every_step(corpus) -> None:  # typ
     plain = bar_cases(corpus["heldout"], SPEC, 144, window=8)["multihop"]
     traced = bar_cases(corpus["heldout"], traced_spec, 144, window=8)["multihop"]
     assert [c.prompt for c in traced] == [c.prompt for c in plain] and len(plain) == 3
-    for t, p in zip(traced, plain, strict=True):  # two links: `B (1) -> C (2)`, the plain answer C
-        assert t.answer_text.endswith(f" -> {p.answer_text} (2)") and len(t.answer_text) == 20
+    for t, p in zip(traced, plain, strict=True):  # two links: `2: B (1) -> C (0)`, the plain answer C
+        assert t.answer_text.startswith("2: ") and t.answer_text.endswith(f" -> {p.answer_text} (0)")
+        assert len(t.answer_text) == 23
         assert t.chance == p.chance
     assert traced_spec.digest() != SPEC.digest()
     chains = dataclasses.replace(SPEC, trace_chains=True)

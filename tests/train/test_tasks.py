@@ -95,8 +95,10 @@ def test_traced_multihop_answers_name_every_code_reached(corpus) -> None:  # typ
         codes = [links[start]]
         while len(codes) < hops:
             codes.append(links[codes[-1]])
-        numbered = [f"{code} ({k + 1})" for k, code in enumerate(codes)]
-        assert traced.answer_text == " -> ".join(numbered) and plain.answer_text == codes[-1]
+        # the question's number, then each code with the links left after it: `2: B (1) -> C (0)`
+        numbered = [f"{code} ({hops - k - 1})" for k, code in enumerate(codes)]
+        assert traced.answer_text == f"{hops}: " + " -> ".join(numbered) and plain.answer_text == codes[-1]
+        assert traced.answer_text.endswith(" (0)") and f"Follow {hops} links" in prompt
         assert TOKENIZER.decode(list(traced.answer[:-1])) == traced.answer_text
         # meta["links"]: the chain's records in order, for the per-hop evidence
         assert [_render(traced.prompt[lo:hi]) for lo, hi in traced.meta["links"]] == [
