@@ -34,7 +34,15 @@ import numpy as np
 import torch
 
 from replaykv.train.recipes import Recipe
-from replaykv.train.rows import Evidence, copy_row, lookup_row, program_row, recall_row, repeat_row
+from replaykv.train.rows import (
+    Evidence,
+    copy_row,
+    lookup_row,
+    program_row,
+    recall_row,
+    repeat_row,
+    traced_recall_row,
+)
 from replaykv.train.tasks import TASKS, TOKENIZER, TaskSample, generate
 
 SPLITS = ("train", "heldout")
@@ -268,7 +276,8 @@ class MixtureSampler:
                 continue
             if kind in ("recall", "program", "recency"):
                 if kind == "recall":
-                    built = recall_row(rng, self.corpus, length, prose)
+                    recall = traced_recall_row if phase.mixture.trace_hops else recall_row
+                    built = recall(rng, self.corpus, length, prose)
                 else:
                     built = program_row(rng, self.corpus, length, prose, recency=kind == "recency")
                 ids[row], answers, inserted, found = built

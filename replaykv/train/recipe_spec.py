@@ -49,7 +49,8 @@ class Mixture:
     # half, questions after; see replaykv.train.rows.lookup_row).
     lookup_segment: int = 0
     # Multi-hop task rows answer with every code reached, `2: B (1) -> C (0)` (tasks.multihop's
-    # `trace`): one lookup per hop instead of two composed in one forward pass.
+    # `trace`): one lookup per hop instead of two composed in one forward pass; recall rows
+    # answer the same way (replaykv.train.rows.traced_recall_row).
     trace_hops: bool = False
     # Chain task rows answer with the lines behind the value, `q = y = x = 123`
     # (replaykv.train.tasks.chain's `trace`).

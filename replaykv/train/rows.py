@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replaykv.train.tasks import link_code, program, traced_names
+from replaykv.train.tasks import link_code, program, traced_hops, traced_names
 
 if TYPE_CHECKING:
     from replaykv.train.data import Corpus
@@ -205,6 +205,56 @@ def recall_row(
             answer[at + lo : at + hi] = True
         lo, hi = records[int(np.flatnonzero(order == one)[0])]
         evidence.append(Evidence(at + one_answer - 1, at + lo, at + hi))
+        at += len(block) + int(rng.integers(0, 48))
+
+
+def traced_recall_row(
+    rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
+    """Recall rows whose answers are traced (:func:`replaykv.train.tasks.traced_hops`): blocks of
+    four link records and one question, `Follow N links from A: N: B (N-1) -> ... (0)`, N one to
+    three, each block inside one window: ids [length], an answer mask [length] (True on each
+    answer's bytes), a mask of every inserted byte and, for every code of each answer, the row
+    that predicts its first byte with its record and the row's records (`Evidence`).
+
+    The four records hold the chain's N links and 4 - N unrelated ones, in random order; the
+    answer copies the question's number, then writes each code with the links left after it.
+    Blocks are at most 118 bytes with 0-47 bytes of corpus text between them: every number the
+    answer writes and every record it needs within the window's full-resolution keys, so the
+    count (copy the question's number, one less after each code, close after 0) is learnt
+    where the lookups are easy, for the multi-hop task's traced answers across the context."""
+    ids = corpus.window(rng, length, prose)
+    answer = np.zeros(length, dtype=bool)
+    used = np.zeros(length, dtype=bool)
+    codes: set[str] = set()
+    spans: list[tuple[int, int]] = []  # every record's `A -> B` in the row
+    evidence: list[Evidence] = []  # filled once every record of the row is known
+    at = int(rng.integers(0, 48))
+    while True:
+        hops = int(rng.integers(1, 4))
+        chain = [link_code(rng, codes) for _ in range(hops + 1)]
+        links = list(itertools.pairwise(chain))
+        links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(4 - hops)]
+        order = rng.permutation(4)
+        block = b""
+        records: dict[int, tuple[int, int]] = {}  # link index -> [lo, hi) of `A -> B` in the block
+        for i in order:
+            record = f"{links[i][0]} -> {links[i][1]}".encode()
+            records[int(i)] = (len(block) + 1, len(block) + 1 + len(record))
+            block += b"\n" + record + b"\n"
+        block += f"\nFollow {hops} links from {chain[0]}: ".encode()
+        first = len(block)
+        text = traced_hops(chain[1:])
+        block += f"{text}\n".encode()
+        if at + len(block) > length:
+            return ids, answer, used, [replace(e, records=tuple(spans)) for e in evidence]
+        ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
+        used[at : at + len(block)] = True
+        spans += [(at + lo, at + hi) for lo, hi in sorted(records.values())]
+        answer[at + first : at + first + len(text)] = True
+        for k, code in enumerate(chain[1:]):
+            query = at + first + text.index(code) - 1
+            evidence.append(Evidence(query, at + records[k][0], at + records[k][1]))
         at += len(block) + int(rng.integers(0, 48))
 
 

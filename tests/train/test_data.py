@@ -14,7 +14,15 @@ import pytest
 
 from replaykv.train.data import MixtureSampler, list_files, load_corpus, split_of, stdlib_root
 from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
-from replaykv.train.rows import COPY_ALPHABET, copy_row, lookup_row, program_row, recall_row, repeat_row
+from replaykv.train.rows import (
+    COPY_ALPHABET,
+    copy_row,
+    lookup_row,
+    program_row,
+    recall_row,
+    repeat_row,
+    traced_recall_row,
+)
 
 FILES = 40
 
@@ -258,6 +266,47 @@ def test_recall_rows_ask_one_and_two_links_inside_a_window(corpus) -> None:  # t
             assert e.query == q.start(3) - 1 and e.records == spans and (e.lo, e.hi) in spans
             assert text[e.lo : e.hi] == q.group(2) + b" -> " + q.group(3)
     assert_rows_weigh_answers(corpus, "recall", 24, 64)
+
+
+TRACED = re.compile(rb"\nFollow (\d) links from ([A-Z0-9]{4}): (\d): ((?:[A-Z0-9]{4} \(\d\)(?: -> )?)+)\n")
+
+
+def test_traced_recall_rows_count_down_every_answer_inside_a_window(corpus) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(14)
+    hops_seen = set()
+    for _ in range(20):
+        ids, answers, inserted, evidence = traced_recall_row(rng, corpus["train"], 512)
+        assert ids.shape == answers.shape == inserted.shape == (512,) and not (answers & ~inserted).any()
+        text = bytes(int(i) if i < 256 else 0 for i in ids)
+        records = list(RECORD.finditer(text))
+        links = {m.group(1): (m.group(2), m.start(1), m.end(2)) for m in records}
+        asked = list(TRACED.finditer(text))
+        assert len(records) == 4 * len(asked) and len(asked) >= 3  # four records a question
+        expected = np.zeros(512, dtype=bool)
+        steps = []
+        for q in asked:
+            hops = int(q.group(1))
+            hops_seen.add(hops)
+            assert q.group(3) == q.group(1)  # the answer copies the question's number
+            code, first, written = q.group(2), q.start(), []
+            for left in range(hops - 1, -1, -1):  # follow the links the row recorded
+                code, lo, hi = links[code]
+                first = min(first, lo)
+                written.append(code + f" ({left})".encode())
+                at = q.start(4) + q.group(4).index(code)
+                steps.append((at - 1, lo, hi))
+            assert q.group(4) == b" -> ".join(written) and q.end(4) - first < 128
+            expected[q.start(3) : q.end(4)] = True
+        assert (answers == expected).all()
+        spans = tuple((m.start(1), m.end(2)) for m in records)
+        assert [(e.query, e.lo, e.hi) for e in evidence] == steps and all(
+            e.records == spans for e in evidence
+        )
+    assert hops_seen == {1, 2, 3}
+    traced = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "recall": 1.0}, trace_hops=True)
+    recipe = dataclasses.replace(tiny(), phases=(Phase("p", 4, 512, 2, traced),), warmup=1, stages=())
+    batch = MixtureSampler(corpus["train"], recipe, window=32).batch(0)
+    assert all(len(TRACED.findall(bytes(int(t) if t < 256 else 0 for t in row))) >= 3 for row in batch.ids)
 
 
 PROGRAM_LINE = re.compile(rb"([a-z]) = ([a-z]|[0-9]{3})")
