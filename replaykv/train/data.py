@@ -215,11 +215,17 @@ def task_evidence(sample: TaskSample) -> tuple[Evidence, ...]:
     """A task row's evidence questions (`meta["questions"]`: an offset in the answer and the
     record that gives what starts there): the row that predicts that byte, the record, every
     record of the prompt its rivals. Multi-hop rows ask for the last link's code (every code
-    with a traced answer), traced chain rows for each name or value after q."""
+    with a traced answer), traced chain rows for each name or value after q. A traced
+    multi-hop answer's numbers (`meta["counts"]`) also ask for the number each is made from,
+    the question's or the one written before, against the question's and answer's numbers and
+    codes (`meta["count_rivals"]`; not keyed)."""
     records = sample.meta["records"]
     first = len(sample.prompt) - 1  # predicts the answer's first byte
     keyed = sample.task != "chain"
-    return tuple(Evidence(first + o, lo, hi, records, keyed) for o, (lo, hi) in sample.meta["questions"])
+    found = [Evidence(first + o, lo, hi, records, keyed) for o, (lo, hi) in sample.meta["questions"]]
+    rivals = sample.meta.get("count_rivals", ())
+    found += [Evidence(first + o, at, at + 1, rivals, False) for o, at in sample.meta.get("counts", ())]
+    return tuple(sorted(found, key=lambda e: e.query))
 
 
 class MixtureSampler:

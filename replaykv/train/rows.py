@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replaykv.train.tasks import link_code, program, traced_hops, traced_names
+from replaykv.train.tasks import count_reads, count_rivals, link_code, program, traced_hops, traced_names
 
 if TYPE_CHECKING:
     from replaykv.train.data import Corpus
@@ -215,7 +215,9 @@ def traced_recall_row(
     four link records and one question, `Follow N links from A: N: B (N-1) -> ... (0)`, N one to
     three, each block inside one window: ids [length], an answer mask [length] (True on each
     answer's bytes), a mask of every inserted byte and, for every code of each answer, the row
-    that predicts its first byte with its record and the row's records (`Evidence`).
+    that predicts its first byte with its record and the row's records (`Evidence`), then for
+    every number of each answer, the row that predicts it with the number it is made from
+    (:func:`replaykv.train.tasks.count_reads`, :func:`~replaykv.train.tasks.count_rivals`).
 
     The four records hold the chain's N links and 4 - N unrelated ones, in random order; the
     answer copies the question's number, then writes each code with the links left after it.
@@ -229,6 +231,7 @@ def traced_recall_row(
     codes: set[str] = set()
     spans: list[tuple[int, int]] = []  # every record's `A -> B` in the row
     evidence: list[Evidence] = []  # filled once every record of the row is known
+    counts: list[Evidence] = []  # each number of an answer and the number it is made from
     at = int(rng.integers(0, 48))
     while True:
         hops = int(rng.integers(1, 4))
@@ -242,12 +245,13 @@ def traced_recall_row(
             record = f"{links[i][0]} -> {links[i][1]}".encode()
             records[int(i)] = (len(block) + 1, len(block) + 1 + len(record))
             block += b"\n" + record + b"\n"
+        number = len(block) + len("\nFollow ")
         block += f"\nFollow {hops} links from {chain[0]}: ".encode()
         first = len(block)
         text = traced_hops(chain[1:])
         block += f"{text}\n".encode()
         if at + len(block) > length:
-            return ids, answer, used, [replace(e, records=tuple(spans)) for e in evidence]
+            return ids, answer, used, [replace(e, records=tuple(spans)) for e in evidence] + counts
         ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
         used[at : at + len(block)] = True
         spans += [(at + lo, at + hi) for lo, hi in sorted(records.values())]
@@ -255,6 +259,9 @@ def traced_recall_row(
         for k, code in enumerate(chain[1:]):
             query = at + first + text.index(code) - 1
             evidence.append(Evidence(query, at + records[k][0], at + records[k][1]))
+        rivals = count_rivals(text, at + number, at + first, chain[0])
+        for o, read in count_reads(text, at + number, at + first):
+            counts.append(Evidence(at + first + o - 1, read, read + 1, rivals, keyed=False))
         at += len(block) + int(rng.integers(0, 48))
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import string
 from collections.abc import Callable
 from typing import Any
@@ -167,6 +168,9 @@ def multihop(
         if trace
         else ((0, links[-1]),)
     )
+    # the question's number (two bytes before the question's end: `... from CODE:`, <|end|>,
+    # <|assistant|> after it), for the numbers a traced answer writes
+    number = len(ids) - 2 - len(question) + question.index(f" {hops} ") + 1
     return TaskSample(
         "multihop",
         tuple(ids),
@@ -180,8 +184,32 @@ def multihop(
             "records": tuple(sorted(in_prompt)),
             "links": links,
             "questions": questions,
+            "counts": count_reads(answer, number, len(ids)) if trace else (),
+            "count_rivals": count_rivals(answer, number, len(ids), chain[0]) if trace else (),
         },
     )
+
+
+def count_reads(answer: str, number: int, at: int) -> tuple[tuple[int, int], ...]:
+    """Where each number of a traced multi-hop answer (`2: B (1) -> C (0)`, starting at row
+    position `at`) reads from: (its offset in the answer, the row position of the number it is
+    made from), the first the question's number at `number`, each count the number written
+    before it."""
+    offsets = [0] + [i + 1 for i, ch in enumerate(answer) if ch == "(" and answer[i + 1].isdigit()]
+    reads = [number] + [at + o for o in offsets[:-1]]
+    return tuple(zip(offsets, reads, strict=True))
+
+
+def count_rivals(answer: str, number: int, at: int, start: str) -> tuple[tuple[int, int], ...]:
+    """The spans a traced answer's numbers are read against: the question's number, the start
+    code after it (`Follow N links from CODE:`), and every number and code the answer writes."""
+    code = number + len(" links from ") + 1
+    spans = [(number, number + 1), (code, code + len(start))]
+    for i, ch in enumerate(answer):
+        if ch.isdigit() and (i == 0 or answer[i - 1] == "("):
+            spans.append((at + i, at + i + 1))
+    spans += [(at + m.start(), at + m.end()) for m in re.finditer(r"[A-Z0-9]{4}", answer)]  # link codes
+    return tuple(sorted(spans))
 
 
 def traced_hops(codes: list[str]) -> str:

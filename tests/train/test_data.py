@@ -299,9 +299,18 @@ def test_traced_recall_rows_count_down_every_answer_inside_a_window(corpus) -> N
             expected[q.start(3) : q.end(4)] = True
         assert (answers == expected).all()
         spans = tuple((m.start(1), m.end(2)) for m in records)
-        assert [(e.query, e.lo, e.hi) for e in evidence] == steps and all(
-            e.records == spans for e in evidence
-        )
+        codes = [e for e in evidence if e.keyed]
+        assert [(e.query, e.lo, e.hi) for e in codes] == steps and all(e.records == spans for e in codes)
+        # every number an answer writes reads the question's number or the number before it
+        numbers = [e for e in evidence if not e.keyed]
+        assert len(numbers) == sum(int(q.group(1)) + 1 for q in asked)
+        for e in numbers:
+            made = int(text[e.query + 1 : e.query + 2])
+            read = int(text[e.lo : e.hi])
+            assert (
+                e.hi == e.lo + 1 and made in (read, read - 1) and e.lo < e.query and (e.lo, e.hi) in e.records
+            )
+            assert text[e.query - 1 : e.query + 1] in (b": ", b" (")
     assert hops_seen == {1, 2, 3}
     traced = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "recall": 1.0}, trace_hops=True)
     recipe = dataclasses.replace(tiny(), phases=(Phase("p", 4, 512, 2, traced),), warmup=1, stages=())

@@ -263,7 +263,15 @@ def test_traced_multihop_rows_ask_one_question_per_hop(corpus) -> None:  # type:
     for text, sample, found, prompt_len in _traced_rows(corpus, "multihop", 4):
         steps = sample.answer_text.split(": ", 1)[1].split(" -> ")  # `2: B (1) -> C (0)`
         codes = [step.split(" (")[0] for step in steps]
-        assert len(found) == sample.meta["hops"] == len(codes)
+        numbers = [e for e in found if not e.keyed]  # the question's number, then each count
+        found = tuple(e for e in found if e.keyed)
+        assert len(found) == sample.meta["hops"] == len(codes) == len(numbers) - 1
+        hops = sample.meta["hops"]
+        for k, e in enumerate(numbers):
+            # the row before each number, which reads the question's number or the count before
+            assert text[e.query + 1 : e.query + 2] == str(hops - k).encode()
+            assert text[e.lo : e.hi] == str(hops - k + 1 if k else hops).encode() and e.hi == e.lo + 1
+            assert (e.lo < prompt_len) == (k == 0) and (e.lo, e.hi) in e.records
         for e, code in zip(found, codes, strict=True):
             # the row that predicts this hop's code, and the record that gives it
             assert text[e.query + 1 : e.query + 5] == code.encode()
