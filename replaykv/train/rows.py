@@ -1,6 +1,7 @@
 """The row builders of the training mixture beyond plain text and task prompts: copy rows, lookup
-rows, recall rows, program rows (and their recency form) and repeat rows (ids, loss masks and, for lookups, where each
-answer's evidence is), each a pure function of a random generator and a corpus window.
+rows, recall rows (plain and traced), program rows (and their recency form) and repeat rows
+(ids, loss masks and, for lookups, where each answer's evidence is), each a pure function of a
+random generator and a corpus window.
 
 Not for: sampling a batch (see :class:`replaykv.train.data.MixtureSampler`) or the corpus itself
 (:mod:`replaykv.train.data`).
@@ -270,11 +271,11 @@ PROGRAM_BLOCK = 120  # bytes: a program with its question and answer, inside one
 
 def recency_program(rng: np.random.Generator) -> tuple[list[str], list[str], str]:
     """A short program where names are assigned again and again: 2-4 one-letter names, one to
-    five more lines than names, each line `x = 123` (a literal not used before) or `x = y` (a
-    name already assigned), the first line of every name a literal only when no other name is
-    assigned yet. Returns the names assigned, the lines and the asked name q, one assigned two
-    or more times when there is one: the literal line alone does not answer it, its latest
-    assignment does, wherever in the program that is."""
+    five more lines than names, each line `x = 123` (a literal not used before) or, half the
+    time when another name is assigned already, `x = y` from one. Returns the names assigned,
+    the lines and the asked name q, one assigned two or more times when there is one: its
+    literal line alone does not answer it, its latest assignment does, wherever in the program
+    that is."""
     names = [string.ascii_lowercase[i] for i in rng.choice(26, int(rng.integers(2, 5)), replace=False)]
     values = iter(int(v) for v in rng.choice(np.arange(100, 1000), 16, replace=False))
     lines: list[str] = []

@@ -154,9 +154,7 @@ def cold_config(recipe: Recipe, directory: Path) -> Any:
     }
     if changed:
         text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
-        print(
-            f"note: {directory}'s config differs from preset {recipe.preset!r}; training with the preset's: {text}"
-        )
+        print(f"note: {directory}'s config differs from preset {recipe.preset!r}; training with the preset's: {text}")
     return preset
 
 
@@ -197,12 +195,13 @@ def evaluate_stage(
     return result
 
 
-def stage_card(recipe: Recipe, info: dict[str, Any], result: dict[str, Any] | None, table: list[str]) -> str:
+def stage_card(
+    recipe: Recipe, info: dict[str, Any], result: dict[str, Any] | None, table: list[str]
+) -> str:
     """MODEL_CARD.md of a stage checkpoint: what it is, how far training got, the bar's table
     (`result` None: not scored yet)."""
     stage_times = ", ".join(
-        f"stage {k}: {v / 60:.0f} min"
-        for k, v in sorted(info.get("stage_seconds", {}).items(), key=lambda kv: int(kv[0]))
+        f"stage {k}: {v / 60:.0f} min" for k, v in sorted(info.get("stage_seconds", {}).items(), key=lambda kv: int(kv[0]))
     )
     lines = [
         f"# replaykv {recipe.preset}: recipe `{recipe.name}`, stage {info['stage']} of {info['stages']}",

@@ -168,8 +168,8 @@ def multihop(
         if trace
         else ((0, links[-1]),)
     )
-    # the question's number (two bytes before the question's end: `... from CODE:`, <|end|>,
-    # <|assistant|> after it), for the numbers a traced answer writes
+    # the row position of the question's number, which the numbers of a traced answer read
+    # (the question ends two tokens before the prompt does: <|end|><|assistant|> follow it)
     number = len(ids) - 2 - len(question) + question.index(f" {hops} ") + 1
     return TaskSample(
         "multihop",
