@@ -154,6 +154,18 @@ def lookup_row(
     return ids, answer, used, sorted(evidence, key=lambda e: e.query)
 
 
+def record_block(links: list[tuple[str, str]], order: np.ndarray) -> tuple[bytes, list[tuple[int, int]]]:
+    """The records `A -> B` of `links` written in `order`, each between newlines: the block and,
+    per link (in the order of `links`), the [lo, hi) of its record in the block."""
+    block = b""
+    records: dict[int, tuple[int, int]] = {}
+    for i in order:
+        record = f"{links[i][0]} -> {links[i][1]}".encode()
+        records[int(i)] = (len(block) + 1, len(block) + 1 + len(record))
+        block += b"\n" + record + b"\n"
+    return block, [records[i] for i in range(len(links))]
+
+
 def recall_row(
     rng: np.random.Generator, corpus: Corpus, length: int, prose: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Evidence]]:
@@ -182,12 +194,7 @@ def recall_row(
         links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(2)]
         order = rng.permutation(4)
         one = int(rng.integers(0, 4))
-        block = b""
-        records: list[tuple[int, int]] = []  # [lo, hi) of `A -> B` in the block, in block order
-        for i in order:
-            record = f"{links[i][0]} -> {links[i][1]}".encode()
-            records.append((len(block) + 1, len(block) + 1 + len(record)))
-            block += b"\n" + record + b"\n"
+        block, records = record_block(links, order)
         asked = [(2, chain[0], chain[2]), (1, *links[one])]
         answers: list[tuple[int, int]] = []  # [lo, hi) of each answer in the block
         one_answer = 0  # where the one-link question's answer starts
@@ -204,7 +211,7 @@ def recall_row(
         spans += [(at + lo, at + hi) for lo, hi in sorted(records)]
         for lo, hi in answers:
             answer[at + lo : at + hi] = True
-        lo, hi = records[int(np.flatnonzero(order == one)[0])]
+        lo, hi = records[one]
         evidence.append(Evidence(at + one_answer - 1, at + lo, at + hi))
         at += len(block) + int(rng.integers(0, 48))
 
@@ -239,13 +246,7 @@ def traced_recall_row(
         chain = [link_code(rng, codes) for _ in range(hops + 1)]
         links = list(itertools.pairwise(chain))
         links += [(link_code(rng, codes), link_code(rng, codes)) for _ in range(4 - hops)]
-        order = rng.permutation(4)
-        block = b""
-        records: dict[int, tuple[int, int]] = {}  # link index -> [lo, hi) of `A -> B` in the block
-        for i in order:
-            record = f"{links[i][0]} -> {links[i][1]}".encode()
-            records[int(i)] = (len(block) + 1, len(block) + 1 + len(record))
-            block += b"\n" + record + b"\n"
+        block, records = record_block(links, rng.permutation(4))
         number = len(block) + len("\nFollow ")
         block += f"\nFollow {hops} links from {chain[0]}: ".encode()
         first = len(block)
@@ -255,7 +256,7 @@ def traced_recall_row(
             return ids, answer, used, [replace(e, records=tuple(spans)) for e in evidence] + counts
         ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
         used[at : at + len(block)] = True
-        spans += [(at + lo, at + hi) for lo, hi in sorted(records.values())]
+        spans += [(at + lo, at + hi) for lo, hi in sorted(records)]
         answer[at + first : at + first + len(text)] = True
         for k, code in enumerate(chain[1:]):
             query = at + first + text.index(code) - 1

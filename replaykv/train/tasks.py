@@ -195,9 +195,14 @@ def count_reads(answer: str, number: int, at: int) -> tuple[tuple[int, int], ...
     position `at`) reads from: (its offset in the answer, the row position of the number it is
     made from), the first the question's number at `number`, each count the number written
     before it."""
-    offsets = [0] + [i + 1 for i, ch in enumerate(answer) if ch == "(" and answer[i + 1].isdigit()]
+    offsets = _number_offsets(answer)
     reads = [number] + [at + o for o in offsets[:-1]]
     return tuple(zip(offsets, reads, strict=True))
+
+
+def _number_offsets(answer: str) -> list[int]:
+    """The offsets of a traced multi-hop answer's numbers: its first byte, then each count."""
+    return [0] + [i + 1 for i, ch in enumerate(answer) if ch == "(" and answer[i + 1].isdigit()]
 
 
 def count_rivals(answer: str, number: int, at: int, start: str) -> tuple[tuple[int, int], ...]:
@@ -205,9 +210,7 @@ def count_rivals(answer: str, number: int, at: int, start: str) -> tuple[tuple[i
     code after it (`Follow N links from CODE:`), and every number and code the answer writes."""
     code = number + len(" links from ") + 1
     spans = [(number, number + 1), (code, code + len(start))]
-    for i, ch in enumerate(answer):
-        if ch.isdigit() and (i == 0 or answer[i - 1] == "("):
-            spans.append((at + i, at + i + 1))
+    spans += [(at + o, at + o + 1) for o in _number_offsets(answer)]
     spans += [(at + m.start(), at + m.end()) for m in re.finditer(r"[A-Z0-9]{4}", answer)]  # link codes
     return tuple(sorted(spans))
 
