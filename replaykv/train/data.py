@@ -215,11 +215,12 @@ def task_evidence(sample: TaskSample) -> tuple[Evidence, ...]:
     """A task row's evidence questions (`meta["questions"]`: an offset in the answer and the
     record that gives what starts there): the row that predicts that byte, the record, every
     record of the prompt its rivals. Multi-hop rows ask for the last link's code (every code
-    with a traced answer), traced chain rows for each name or value after q. A traced
+    with a traced answer), traced chain rows for each name or value after q, a statement's value
+    against every statement's (`meta["values"]`). A traced
     multi-hop answer's numbers (`meta["counts"]`) also ask for the number each is made from,
     the question's or the one written before, against the question's and answer's numbers and
     codes (`meta["count_rivals"]`; not keyed)."""
-    records = sample.meta["records"]
+    records = sample.meta.get("values", sample.meta["records"])
     first = len(sample.prompt) - 1  # predicts the answer's first byte
     keyed = sample.task != "chain"
     found = [Evidence(first + o, lo, hi, records, keyed) for o, (lo, hi) in sample.meta["questions"]]

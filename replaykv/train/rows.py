@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replaykv.train.tasks import count_reads, count_rivals, link_code, program, traced_hops, traced_names
+from replaykv.train.tasks import (
+    count_reads,
+    count_rivals,
+    link_code,
+    program,
+    traced_hops,
+    traced_names,
+    values_of,
+)
 
 if TYPE_CHECKING:
     from replaykv.train.data import Corpus
@@ -298,8 +306,9 @@ def program_row(
     """Blocks of one short chain program and one question in the chain task's words with its
     traced answer, each block inside one window: ids [length], an answer mask [length] (True on
     each answer's bytes after the asked name), a mask of every inserted byte and, for each
-    name or value the answer looks up, the row that predicts its first byte with the line that
-    gives it and the block's lines as rivals (`Evidence`, not keyed).
+    name or value the answer looks up, the row that predicts its first byte with the value of
+    the line that gives it (`v` of `x = v`, the bytes copied) and the block's lines' values as
+    rivals (`Evidence`, not keyed).
 
     A block is a program of 2-4 names and 1-5 copies (:func:`replaykv.train.tasks.program`),
     one line each, then `print(q): q = y = 123` for a name q drawn among all of them (an
@@ -342,7 +351,7 @@ def program_row(
         ids[at : at + len(block)] = np.frombuffer(block, dtype=np.uint8)
         used[at : at + len(block)] = True
         answer[at + first + len(q) : at + first + len(text)] = True
-        rivals = tuple((at + lo, at + hi) for lo, hi in spans)
+        rivals = values_of(tuple((at + lo, at + hi) for lo, hi in spans))
         offset = first
         for name, i in zip(steps[:-1], found, strict=True):
             offset += len(name) + len(" = ")  # where the step found on line i starts

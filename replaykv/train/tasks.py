@@ -63,6 +63,8 @@ __all__ = [
 ]
 
 TASKS = ("passkey", "multihop", "chain", "extract", "tool")
+# A chain statement `x = v` (one-letter names): its value v, what an answer copies, starts here.
+VALUE_AT = len("x = ")
 
 
 def score(sample: TaskSample, generated: str) -> bool:
@@ -247,8 +249,10 @@ def chain(
     = x = 123` for the lines `q = y`, `y = x` and `x = 123`, each the latest assignment of its
     name before the line found last (every step one lookup of a line by the name just
     written). `meta["questions"]`: each name or value of the answer after q, at its offset in
-    the answer, with the line that gives it (prompt positions without newlines);
-    `meta["records"]`: every statement's.
+    the answer, with the value of the line that gives it (prompt positions);
+    `meta["records"]`: every statement's; `meta["values"]`: every statement's value (the name or
+    literal after `=`, :func:`values_of`), which a question's evidence asks for: the bytes the
+    answer copies, whose keys follow the statement's name.
     """
     n_vars = int(rng.integers(3, 5)) if n_vars is None else n_vars
     steps = int(rng.integers(2, 11)) if steps is None else steps
@@ -282,10 +286,11 @@ def chain(
     ids, start = chat_user([*intro, *body], question)
     ev = (start + len(intro) + block_off + ev_rel0, start + len(intro) + block_off + ev_rel1)
     records = tuple((start + len(intro) + s0 + 1, start + len(intro) + s1 - 1) for s0, s1 in spans)
+    value_spans = values_of(records)
     found, names = traced_names(lines, q)
     text = " = ".join(names) if trace else str(answer)
     offsets = np.cumsum([len(n) + len(" = ") for n in names[:-1]])
-    questions = tuple((int(o), records[i]) for o, i in zip(offsets, found, strict=True)) if trace else ()
+    questions = tuple((int(o), value_spans[i]) for o, i in zip(offsets, found, strict=True)) if trace else ()
     return TaskSample(
         "chain",
         tuple(ids),
@@ -293,8 +298,20 @@ def chain(
         text,
         ev,
         1 / n_vars,
-        meta={"n_vars": n_vars, "steps": steps, "span": span, "records": records, "questions": questions},
+        meta={
+            "n_vars": n_vars,
+            "steps": steps,
+            "span": span,
+            "records": records,
+            "values": value_spans,
+            "questions": questions,
+        },
     )
+
+
+def values_of(statements: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The [lo, hi) of each chain statement's value (`v` of `x = v`) from the statement's."""
+    return tuple((lo + VALUE_AT, hi) for lo, hi in statements)
 
 
 def program(

@@ -361,7 +361,7 @@ def test_program_rows_ask_for_traced_chains_inside_a_window(corpus, recency) -> 
                 lo, _, src, line = lines[k]
                 assert src == source
                 offset += len(name) + 3
-                steps.append((offset - 1, lo, lo + len(line), len(lines)))
+                steps.append((offset - 1, lo + len(line) - len(src), lo + len(line), len(lines)))
                 bound = k
             lengths.add(len(names))
             expected[m.start(2) + 1 : m.end(2)] = True
@@ -369,7 +369,8 @@ def test_program_rows_ask_for_traced_chains_inside_a_window(corpus, recency) -> 
         assert (answers == expected).all()
         assert [(e.query, e.lo, e.hi, len(e.records)) for e in evidence] == steps
         assert not any(e.keyed for e in evidence)
-        assert all(PROGRAM_LINE.fullmatch(text[lo:hi]) for e in evidence for lo, hi in e.records)
+        # every rival is a line's value, the bytes after `x = `
+        assert all(PROGRAM_LINE.fullmatch(text[lo - 4 : hi]) for e in evidence for lo, hi in e.records)
     assert {2, 3, 4} <= lengths  # answers of one, two and three lookups
     # chain programs give every literal first; their recency form mixes literals and copies
     assert (late_literals > 20) if recency else (late_literals == 0)

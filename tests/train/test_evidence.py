@@ -289,7 +289,8 @@ def test_traced_chain_rows_ask_for_each_line_behind_the_value(corpus) -> None:  
         assert len(found) == len(names) - 1 and found[0].query == prompt_len - 1 + len(names[0]) + 3
         for e, (dst, src) in zip(found, itertools.pairwise(names), strict=True):
             assert text[e.query + 1 : e.query + 1 + len(src)] == src.encode()
-            assert text[e.lo : e.hi] == f"{dst} = {src}".encode() and (e.lo, e.hi) in e.records
+            assert text[e.lo - 4 : e.hi] == f"{dst} = {src}".encode() and (e.lo, e.hi) in e.records
+            assert text[e.lo : e.hi] == src.encode()  # the value copied, not the whole statement
             assert not e.keyed  # a statement is no `A -> B` record for the record-key loss
         seen += 1
     assert seen >= 8
@@ -307,10 +308,11 @@ def test_program_rows_carry_each_step_and_train_through_the_loss(corpus, kind) -
     for row, found in zip(batch.ids, batch.evidence, strict=True):
         text = bytes(int(t) if t < 256 else 0 for t in row)
         for e in found:
-            # the row before a looked-up name or value, and the line `dst = src` that gives it
-            line = text[e.lo : e.hi]
+            # the row before a looked-up name or value, and the value of the line `dst = src`
+            # that gives it
+            line = text[e.lo - 4 : e.hi]
             assert re.fullmatch(rb"[a-z] = ([a-z]|[0-9]{3})", line) and (e.lo, e.hi) in e.records
-            src = line.split(b" = ")[1]
+            src = text[e.lo : e.hi]
             assert text[e.query + 1 : e.query + 1 + len(src)] == src and e.query > e.hi and not e.keyed
     model = tiny_model()
     spec = ModelSpec.from_config(model.config)

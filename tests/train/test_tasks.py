@@ -138,14 +138,16 @@ def test_traced_chain_answers_write_the_lines_behind_the_value(corpus) -> None: 
                 break
             k = before[k][lines[k][1]]
         assert traced.answer_text == " = ".join(names) and names[-1] == plain.answer_text
-        # each question: the answer's next name or value, and the statement that gives it
+        # each question: the answer's next name or value, and the value of the statement that
+        # gives it (`b` of `a = b`, the bytes copied)
         pairs = list(itertools.pairwise(names))
-        assert [(o, _render(traced.prompt[lo:hi])) for o, (lo, hi) in traced.meta["questions"]] == [
+        assert [(o, _render(traced.prompt[lo - 4 : hi])) for o, (lo, hi) in traced.meta["questions"]] == [
             (len(" = ".join(names[: i + 1])) + 3, f"{a} = {b}") for i, (a, b) in enumerate(pairs)
         ]
         assert [_render(traced.prompt[lo:hi]) for lo, hi in traced.meta["records"]] == [
             f"{a} = {b}" for a, b in lines
         ]
+        assert [_render(traced.prompt[lo:hi]) for lo, hi in traced.meta["values"]] == [b for _, b in lines]
         assert score(traced, traced.answer_text) and not score(traced, plain.answer_text)
         longer += len(names) > 3
     assert longer >= 4
