@@ -130,10 +130,10 @@ class Phase:
     multi-hop task row's question, its evidence the record of the last link, every record of
     the prompt its rivals (with `Mixture.trace_hops`, each hop's code in the answer, its
     evidence that hop's record); `chain`: with `Mixture.trace_chains`, each name or value of a
-    chain row's answer, its evidence the line that gives it, every statement its rivals;
-    `recall`: a recall row's one-link questions; `program` / `recency`: each name or value of a
-    program (recency) row's answers, its evidence the line that gives it, the block's lines its
-    rivals);
+    chain row's answer, its evidence the value of the line that gives it (`v` of `x = v`), every
+    statement's value its rivals; `recall`: a recall row's one-link questions; `program` /
+    `recency`: each name or value of a program (recency) row's answers, its evidence the value
+    of the line that gives it, the block's lines' values its rivals);
     `evidence_tail`: 0, each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
     code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
