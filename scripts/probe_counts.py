@@ -25,14 +25,12 @@ import numpy as np
 import torch
 
 from replaykv.cache.views import allocate_view
-from replaykv.model.checkpoint import load_model
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import load_corpus
 from replaykv.train.rows import traced_recall_row
-from replaykv.train.state import STATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_lookups import cases_of
+from probe_lookups import cases_of, load_scored
 from probe_recall import predicted_rows
 
 TRACED = re.compile(rb"\nFollow (\d) links from [A-Z0-9]{4}: (\d): ((?:[A-Z0-9]{4} \(\d\)(?: -> )?)+)\n")
@@ -102,9 +100,7 @@ def main() -> None:
     p.add_argument("--recall-rows", type=int, default=20)
     args = p.parse_args()
     torch.set_num_threads(2)
-    model = load_model(args.stage).float().eval()
-    if args.state:
-        model.load_state_dict(torch.load(Path(args.state) / STATE, weights_only=False)["model"])
+    model = load_scored(args.stage, args.state)
     heldout = load_corpus()["heldout"]
     show(f"multi-hop task cases @ {args.length}", task_cells(model, args.length, args.cases, heldout))
     show("traced recall rows (inside one window)", recall_cells(model, args.recall_rows, heldout))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from replaykv.model.spec import ModelSpec
 from replaykv.train.bar import score_cases
 from replaykv.train.data import load_corpus
 from replaykv.train.recipes import BarSpec
+from replaykv.train.state import STATE
 from replaykv.train.tasks import TOKENIZER, TaskSample, generate
 
 CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
@@ -54,6 +56,16 @@ TRACE_CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
     ("chain, 6 copies, lines written", "chain", {"n_vars": 4, "steps": 6, "span": 384, "trace": True}, 1 / 4),
 )
 SEED = 555
+
+
+def load_scored(stage: str, state: str | None = None) -> Any:
+    """The STAGE checkpoint's model in float32 for scoring; with `state`, a pilot arm's
+    directory, the weights of its saved training state (`train_state/state.pt`), to score a
+    run between its exports."""
+    model = load_model(stage).float().eval()
+    if state:
+        model.load_state_dict(torch.load(Path(state) / STATE, weights_only=False)["model"])
+    return model
 
 
 def cases_of(task: str, controls: dict[str, Any], length: int, n: int, corpus: Any) -> list[TaskSample]:

@@ -15,7 +15,7 @@ traced answer `q = y = 123`, inside one window), per number of lookups in the an
 answers right (teacher forced) and each lookup right (its name or value after `q = `, the
 latest assignment of the name before the line found last); `--kind recency` the same for
 their recency form (names assigned again and again, the asked one more than once). One torch
-thread unless --threads says otherwise.
+thread unless --threads says otherwise; `--state` scores a pilot arm's saved training state.
 """
 
 from __future__ import annotations
@@ -23,18 +23,22 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from replaykv.cache.views import allocate_view
-from replaykv.model.checkpoint import load_model
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus, load_corpus
 from replaykv.train.rows import program_row, recall_row
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_lookups import load_scored
 
 SEED = 777
 LENGTH = 512
@@ -104,12 +108,13 @@ def score_programs(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
+    p.add_argument("--state", help="a pilot arm's directory: score its saved training state's weights")
     p.add_argument("--rows", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kind", choices=("recall", "program", "recency"), default="recall")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model).float().eval()
+    model = load_scored(args.model, args.state)
     t0 = time.perf_counter()
     if args.kind in ("program", "recency"):
         scored = score_programs(model, load_corpus()["heldout"], args.rows, args.kind == "recency")

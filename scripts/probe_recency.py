@@ -28,15 +28,13 @@ import numpy as np
 import torch
 
 from replaykv.cache.views import allocate_view
-from replaykv.model.checkpoint import load_model
 from replaykv.model.compressor import causal_entry_limit, ordered_ring
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import load_corpus
-from replaykv.train.state import STATE
 from replaykv.train.tasks import VALUE_AT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_lookups import cases_of
+from probe_lookups import cases_of, load_scored
 
 CHAIN = {"n_vars": 4, "steps": 6, "span": 384, "trace": True}
 
@@ -107,9 +105,7 @@ def main() -> None:
     p.add_argument("--show", action="store_true", help="print each program, its answer and the top guesses")
     args = p.parse_args()
     torch.set_num_threads(2)
-    model = load_model(args.stage).float().eval()
-    if args.state:
-        model.load_state_dict(torch.load(Path(args.state) / STATE, weights_only=False)["model"])
+    model = load_scored(args.stage, args.state)
     spec = ModelSpec.from_config(model.config)
     probe = JointAttention(model)
     stats: dict[int, dict[str, list[float]]] = {}
