@@ -36,7 +36,7 @@ import torch
 from replaykv.model.checkpoint import load_model
 from replaykv.train.data import load_corpus
 from replaykv.train.loop import train
-from replaykv.train.recipe_spec import Mixture, Phase, Recipe
+from replaykv.train.recipe_spec import COPY_ALPHABET_NAMES, Mixture, Phase, Recipe
 from replaykv.train.recipes import TASK_ANSWER_WEIGHT, small
 from replaykv.train.state import STATE
 
@@ -169,6 +169,12 @@ def main() -> None:
         action="store_true",
         help="chain rows answer with the lines behind the value (Mixture.trace_chains); probes the chain cells",
     )
+    p.add_argument(
+        "--copy-alphabet",
+        choices=COPY_ALPHABET_NAMES,
+        default="codes",
+        help="the copy rows' strings (Mixture.copy_alphabet; letters: lower case too)",
+    )
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
     p.add_argument(
@@ -200,6 +206,7 @@ def main() -> None:
         lookup_segment=args.lookup_segment,
         trace_hops=args.trace_hops,
         trace_chains=args.trace_chains,
+        copy_alphabet=args.copy_alphabet,
     )
     lengths = [int(x) for x in args.probe_lengths.split(",")]
     out = Path(args.out)

@@ -9,30 +9,39 @@ copy ends; each of the repeat's characters is scored by teacher forcing (argmax 
 negative log-likelihood, per character index), for gaps inside the 128-token window and two
 ranges beyond it. A model that finds the earlier copy by the characters it has just read
 predicts the repeat from its second or third character on; the first is a guess (chance 1/36).
-One torch thread unless --threads says otherwise.
+`--alphabet lower` writes the strings in lower-case letters instead, the alphabet of a chain's
+names, which the copy rows never draw. One torch thread unless --threads says otherwise;
+`--state` scores a pilot arm's saved training state.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from replaykv.cache.views import allocate_view
-from replaykv.model.checkpoint import load_model
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus, load_corpus
 from replaykv.train.rows import COPY_ALPHABET
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_lookups import load_scored
+
 SEED = 777
 SIZE = 16
 GAPS = ((10, 60), (200, 400), (500, 800))  # inside the window; beyond it; far beyond it
+ALPHABETS = {"copy": COPY_ALPHABET, "lower": np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)}
 
 
-def score_gap(model: Any, heldout: Corpus, length: int, n: int, gap: tuple[int, int]) -> None:
+def score_gap(
+    model: Any, heldout: Corpus, length: int, n: int, gap: tuple[int, int], alphabet: np.ndarray
+) -> None:
     """Per character index of the repeat: the share of cases whose argmax is right and the mean
     negative log-likelihood (nats), printed on one line."""
     spec = ModelSpec.from_config(model.config)
@@ -41,7 +50,7 @@ def score_gap(model: Any, heldout: Corpus, length: int, n: int, gap: tuple[int, 
         rng = np.random.default_rng([SEED, i, gap[0]])
         ids = heldout.window(rng, length, False).copy()
         g = int(rng.integers(*gap))
-        text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), SIZE)].astype(np.int64)
+        text = alphabet[rng.integers(0, len(alphabet), SIZE)].astype(np.int64)
         first = int(rng.integers(0, length - g - 2 * SIZE - 8))
         repeat = first + SIZE + g
         ids[first : first + SIZE] = text
@@ -66,16 +75,18 @@ def score_gap(model: Any, heldout: Corpus, length: int, n: int, gap: tuple[int, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
+    p.add_argument("--state", help="a pilot arm's directory: score its saved training state's weights")
+    p.add_argument("--alphabet", choices=tuple(ALPHABETS), default="copy")
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--cases", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model).float().eval()
+    model = load_scored(args.model, args.state)
     heldout = load_corpus()["heldout"]
     t0 = time.perf_counter()
     for gap in GAPS:
-        score_gap(model, heldout, args.length, args.cases, gap)
+        score_gap(model, heldout, args.length, args.cases, gap, ALPHABETS[args.alphabet])
     print(f"{time.perf_counter() - t0:.0f} s")
 
 

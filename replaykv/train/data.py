@@ -35,6 +35,7 @@ import torch
 
 from replaykv.train.recipes import Recipe
 from replaykv.train.rows import (
+    COPY_ALPHABETS,
     Evidence,
     copy_row,
     lookup_row,
@@ -274,7 +275,8 @@ class MixtureSampler:
                 targets[row, size + 1 :] = phase.copy_weight
                 continue
             if kind == "copy":
-                ids[row], mask, pairs = copy_row(rng, self.corpus, length, w, prose)
+                alphabet = COPY_ALPHABETS[phase.mixture.copy_alphabet]
+                ids[row], mask, pairs = copy_row(rng, self.corpus, length, w, prose, alphabet)
                 targets[row, 1:] = 1.0
                 for first, repeat, size in pairs:
                     targets[row, first : first + size] = 0.0

@@ -15,6 +15,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+# `Mixture.copy_alphabet`'s choices: the keys of replaykv.train.rows.COPY_ALPHABETS.
+COPY_ALPHABET_NAMES = ("codes", "letters")
+
 
 @dataclass(frozen=True)
 class Mixture:
@@ -55,6 +58,9 @@ class Mixture:
     # Chain task rows answer with the lines behind the value, `q = y = x = 123`
     # (replaykv.train.tasks.chain's `trace`).
     trace_chains: bool = False
+    # The copy rows' strings: "codes" (upper case and digits) or "letters" (lower case too;
+    # replaykv.train.rows.COPY_ALPHABETS).
+    copy_alphabet: str = "codes"
 
     def __post_init__(self) -> None:
         if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
@@ -63,6 +69,10 @@ class Mixture:
             raise ValueError("prose_fraction must be in [0, 1]")
         if self.lookup_segment < 0:
             raise ValueError("lookup_segment must not be negative")
+        if self.copy_alphabet not in COPY_ALPHABET_NAMES:
+            raise ValueError(
+                f"copy_alphabet must be one of {COPY_ALPHABET_NAMES}, not {self.copy_alphabet!r}"
+            )
 
     @property
     def weights(self) -> dict[str, float]:

@@ -48,16 +48,32 @@ class Evidence:
 
 # ---------------------------------------------------------------------------- copy rows
 COPY_ALPHABET = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)
+# The copy rows' alphabets by `Mixture.copy_alphabet`: "codes", the link codes' (upper case and
+# digits); "letters" adds lower case, the alphabet of a chain's names. A model copies only what
+# its copy rows drew: one trained on codes alone copies no lower-case string, even inside its
+# window (docs/training.md, "Lower-case copies").
+COPY_ALPHABETS = {
+    "codes": COPY_ALPHABET,
+    "letters": np.frombuffer(
+        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8
+    ),
+}
 
 
 def copy_row(
-    rng: np.random.Generator, corpus: Corpus, length: int, window: int, prose: bool = False
+    rng: np.random.Generator,
+    corpus: Corpus,
+    length: int,
+    window: int,
+    prose: bool = False,
+    alphabet: np.ndarray = COPY_ALPHABET,
 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
     """A corpus window with random strings, each written twice: ids [length], a copy mask
     [length] (True on a repeat's bytes after its first, the only predictable ones) and the
     (first, repeat, size) of each string.
 
-    About one string of 6-32 bytes (upper case and digits) per 64 bytes; half of the repeats
+    About one string of 6-32 bytes (of `alphabet`, by default upper case and digits) per 64
+    bytes; half of the repeats
     follow within the `window`, the others anywhere later in the row. A first occurrence and a
     repeat's first byte are random: the sampler gives them no loss."""
     ids = corpus.window(rng, length, prose)
@@ -79,7 +95,7 @@ def copy_row(
                 or used[max(0, repeat - 1) : repeat + size + 1].any()
             ):
                 continue
-            text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), size)]
+            text = alphabet[rng.integers(0, len(alphabet), size)]
             ids[first : first + size] = text
             ids[repeat : repeat + size] = text
             used[first : first + size] = used[repeat : repeat + size] = True

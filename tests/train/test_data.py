@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from replaykv.train.data import MixtureSampler, list_files, load_corpus, split_of, stdlib_root
+from replaykv.train.recipe_spec import COPY_ALPHABET_NAMES
 from replaykv.train.recipes import Mixture, Paths, Phase, small, tiny
 from replaykv.train.rows import (
     COPY_ALPHABET,
+    COPY_ALPHABETS,
     copy_row,
     lookup_row,
     program_row,
@@ -137,6 +139,26 @@ def test_copy_rows_repeat_random_strings(corpus) -> None:  # type: ignore[no-unt
     for ids, t in rows:
         at = np.flatnonzero(t.numpy() == weight)
         assert len(at) > len(ids) // 10 and np.isin(ids[at].numpy(), COPY_ALPHABET).all()
+
+
+def test_copy_rows_draw_the_mixtures_alphabet(corpus) -> None:  # type: ignore[no-untyped-def]
+    assert tuple(COPY_ALPHABETS) == COPY_ALPHABET_NAMES
+    lower = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    copied = {}
+    for name in COPY_ALPHABET_NAMES:
+        only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "copy": 1.0}, copy_alphabet=name)
+        phase = Phase("copies", 40, 1024, 4, only, copy_weight=5.0)
+        batch = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128).batch(0)
+        assert batch.kinds == ("copy",) * 4
+        strings = np.concatenate(
+            [ids[t == 5.0] for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True)]
+        )
+        assert np.isin(strings, COPY_ALPHABETS[name]).all()
+        copied[name] = np.isin(strings, lower).mean()
+    # lower case only where asked for, about 26 of its 62 characters there
+    assert copied["codes"] == 0 and 0.3 < copied["letters"] < 0.55
+    with pytest.raises(ValueError, match="copy_alphabet"):
+        Mixture(copy_alphabet="bytes")
 
 
 def test_repeat_rows_fill_the_row_with_one_string_and_weigh_its_copies(corpus) -> None:  # type: ignore[no-untyped-def]
