@@ -217,10 +217,10 @@ def task_evidence(sample: TaskSample) -> tuple[Evidence, ...]:
     record that gives what starts there): the row that predicts that byte, the record, every
     record of the prompt its rivals. Multi-hop rows ask for the last link's code (every code
     with a traced answer), traced chain rows for each name or value after q, a statement's value
-    against every statement's (`meta["values"]`). A traced
-    multi-hop answer's numbers (`meta["counts"]`) also ask for the number each is made from,
-    the question's or the one written before, against the question's and answer's numbers and
-    codes (`meta["count_rivals"]`; not keyed)."""
+    against every statement's (`meta["values"]`). A traced multi-hop answer's numbers
+    (`meta["counts"]`) also ask for the number each is made from, the question's or the one
+    written before, against the question's and answer's numbers and codes
+    (`meta["count_rivals"]`; not keyed)."""
     records = sample.meta.get("values", sample.meta["records"])
     first = len(sample.prompt) - 1  # predicts the answer's first byte
     keyed = sample.task != "chain"

@@ -73,9 +73,8 @@ def copy_row(
     (first, repeat, size) of each string.
 
     About one string of 6-32 bytes (of `alphabet`, by default upper case and digits) per 64
-    bytes; half of the repeats
-    follow within the `window`, the others anywhere later in the row. A first occurrence and a
-    repeat's first byte are random: the sampler gives them no loss."""
+    bytes; half of the repeats follow within the `window`, the others anywhere later in the row.
+    A first occurrence and a repeat's first byte are random: the sampler gives them no loss."""
     ids = corpus.window(rng, length, prose)
     used = np.zeros(length, dtype=bool)
     copy = np.zeros(length, dtype=bool)
