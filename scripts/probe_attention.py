@@ -46,10 +46,12 @@ PARTS = {
 
 class LastRowAttention:
     """Forward hooks on every attention block with compressed entries: after each call, the
-    last row's attention probabilities over [window | sink | entries] and the entry ids."""
+    last row's attention probabilities over the entries and the entry ids (`rows`), and over
+    [window | sink | entries] with the window keys' positions (`joint`, read by `mass`)."""
 
     def __init__(self, model: Any) -> None:
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self.joint: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
         self.handles = [
             layer.self_attn.register_forward_hook(self._hook)
             for layer in model.model.layers
@@ -72,6 +74,18 @@ class LastRowAttention:
             logits = torch.cat([q @ window.T, attn.sinks.float()[:, None] * d**0.5, q @ entries.T], 1)
             probs = torch.softmax(logits * d**-0.5, dim=1)  # [H, W + 1 + k]
         self.rows[attn.layer] = (probs[:, w + 1 :], ids, attn.ratio, w)
+        last = int(step.positions[0, -1])
+        window_pos = torch.arange(last - w + 1, last + 1, device=x.device)
+        self.joint[attn.layer] = (probs, window_pos, ids, attn.ratio)
+
+    def mass(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """[H]: the last row's mass on positions [lo, hi) in `layer`, the window's keys there and
+        the entries that overlap them."""
+        probs, window_pos, ids, r = self.joint[layer]
+        w = len(window_pos)
+        in_window = (window_pos >= lo) & (window_pos < hi)
+        covers = (ids * r + r > lo) & (ids * r < hi)
+        return probs[:, :w][:, in_window].sum(1) + probs[:, w + 1 :][:, covers].sum(1)
 
     def remove(self) -> None:
         for h in self.handles:

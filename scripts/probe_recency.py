@@ -22,67 +22,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from replaykv.cache.views import allocate_view
-from replaykv.model.compressor import causal_entry_limit, ordered_ring
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import load_corpus
 from replaykv.train.tasks import VALUE_AT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_attention import LastRowAttention
 from probe_lookups import cases_of, load_scored
 
 CHAIN = {"n_vars": 4, "steps": 6, "span": 384, "trace": True}
-
-
-class JointAttention:
-    """Forward hooks on every attention block with compressed entries: after each call, the
-    last row's attention probabilities [H, positions] mapped back onto prompt positions (a window
-    key is its own position; an entry's mass is spread over the positions it covers, as a share
-    of whole entries is what a span's test needs: an entry counts for a span it overlaps)."""
-
-    def __init__(self, model: Any) -> None:
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
-        self.handles = [
-            layer.self_attn.register_forward_hook(self._hook)
-            for layer in model.model.layers
-            if getattr(layer.self_attn, "ratio", 0)
-        ]
-
-    def _hook(self, attn: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, step, cache, selection = args[:4]
-        s, w, d = x.shape[1], attn.window, attn.head_dim
-        with torch.no_grad():
-            tables = (t[:1, -1:] for t in step.rope.heads(attn.rope_kind))
-            q = attn.queries(x[:1, -1:], *tables)[1][0, 0].float()  # [H, D]
-            window = ordered_ring(cache.window[:1], step.start[:1] + s, w)[0].float()  # [W, D]
-            visible = int(causal_entry_limit(step.positions[:1, -1], attn.ratio)[0])
-            ids = torch.arange(visible, device=x.device)
-            if selection.topk is not None:
-                chosen = selection.topk[0, -1]
-                ids = chosen[chosen >= 0]
-            entries = cache.entries[0, ids].float()
-            logits = torch.cat([q @ window.T, attn.sinks.float()[:, None] * d**0.5, q @ entries.T], 1)
-            probs = torch.softmax(logits * d**-0.5, dim=1)  # [H, W + 1 + k]
-        last = int(step.positions[0, -1])
-        window_pos = torch.arange(last - w + 1, last + 1, device=x.device)
-        self.rows[attn.layer] = (probs, window_pos, ids, attn.ratio)
-
-    def mass(self, layer: int, lo: int, hi: int) -> torch.Tensor:
-        """[H]: the mass on positions [lo, hi): window keys there and entries overlapping them."""
-        probs, window_pos, ids, r = self.rows[layer]
-        w = len(window_pos)
-        in_window = (window_pos >= lo) & (window_pos < hi)
-        covers = (ids * r + r > lo) & (ids * r < hi)
-        return probs[:, :w][:, in_window].sum(1) + probs[:, w + 1 :][:, covers].sum(1)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def assignments(prompt: list[int], records: tuple[tuple[int, int], ...]) -> list[tuple[str, int, int]]:
@@ -107,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(2)
     model = load_scored(args.stage, args.state)
     spec = ModelSpec.from_config(model.config)
-    probe = JointAttention(model)
+    probe = LastRowAttention(model)
     stats: dict[int, dict[str, list[float]]] = {}
     used = first_right = 0
     for case in cases_of("chain", CHAIN, args.length, args.cases, load_corpus()["heldout"]):
@@ -130,7 +83,7 @@ def main() -> None:
             )
             program = " | ".join(bytes(prompt[lo:hi]).decode() for _, lo, hi in lines)
             print(f"{program}  ->  {case.answer_text!r}; predicted {guesses}", flush=True)
-        for layer in probe.rows:
+        for layer in probe.joint:
             got = stats.setdefault(
                 layer, {k: [] for k in ("latest", "earlier", "other", "wins", "latest_mean")}
             )
