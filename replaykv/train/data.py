@@ -256,6 +256,7 @@ class MixtureSampler:
         kinds: list[str] = []
         samples: list[TaskSample | None] = []
         evidence: list[tuple[Evidence, ...]] = [()] * phase.batch
+        alphabet = COPY_ALPHABETS[phase.mixture.copy_alphabet]  # copy and repeat rows' strings
         for row in range(phase.batch):
             kind = str(rng.choice(names, p=probs))
             sample = None
@@ -271,11 +272,10 @@ class MixtureSampler:
             samples.append(sample)
             prose = bool(rng.uniform() < phase.mixture.prose_fraction)
             if kind == "repeat":
-                ids[row], size = repeat_row(rng, length)
+                ids[row], size = repeat_row(rng, length, alphabet)
                 targets[row, size + 1 :] = phase.copy_weight
                 continue
             if kind == "copy":
-                alphabet = COPY_ALPHABETS[phase.mixture.copy_alphabet]
                 ids[row], mask, pairs = copy_row(rng, self.corpus, length, w, prose, alphabet)
                 targets[row, 1:] = 1.0
                 for first, repeat, size in pairs:

@@ -58,8 +58,8 @@ class Mixture:
     # Chain task rows answer with the lines behind the value, `q = y = x = 123`
     # (replaykv.train.tasks.chain's `trace`).
     trace_chains: bool = False
-    # The copy rows' strings: "codes" (upper case and digits) or "letters" (lower case too;
-    # replaykv.train.rows.COPY_ALPHABETS).
+    # The copy and repeat rows' strings: "codes" (upper case and digits) or "letters" (lower case
+    # too; replaykv.train.rows.COPY_ALPHABETS).
     copy_alphabet: str = "codes"
 
     def __post_init__(self) -> None:

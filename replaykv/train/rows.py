@@ -48,7 +48,7 @@ class Evidence:
 
 # ---------------------------------------------------------------------------- copy rows
 COPY_ALPHABET = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)
-# The copy rows' alphabets by `Mixture.copy_alphabet`: "codes", the link codes' (upper case and
+# The copy and repeat rows' alphabets by `Mixture.copy_alphabet`: "codes", the link codes' (upper case and
 # digits); "letters" adds lower case, the alphabet of a chain's names. A model copies only what
 # its copy rows drew: one trained on codes alone copies no lower-case string, even inside its
 # window (docs/training.md, "Lower-case copies").
@@ -374,11 +374,14 @@ def program_row(
         at += len(block) + int(rng.integers(0, 48))
 
 
-def repeat_row(rng: np.random.Generator, length: int) -> tuple[np.ndarray, int]:
-    """One random string of 10-40 bytes (upper case and digits) written again and again to fill
-    `length`: ids [length] and the string's size. Every byte after the first repeat's first is a
-    copy of the byte one period back, inside the window: the densest copy target there is, for
-    the phase that forms the copying circuit before anything else (see `Recipe` `small`)."""
+def repeat_row(
+    rng: np.random.Generator, length: int, alphabet: np.ndarray = COPY_ALPHABET
+) -> tuple[np.ndarray, int]:
+    """One random string of 10-40 bytes (of `alphabet`, by default upper case and digits) written
+    again and again to fill `length`: ids [length] and the string's size. Every byte after the
+    first repeat's first is a copy of the byte one period back, inside the window: the densest
+    copy target there is, for the phase that forms the copying circuit before anything else (see
+    `Recipe` `small`) and for one that extends it to characters it has not copied yet."""
     size = int(rng.integers(10, 41))
-    text = COPY_ALPHABET[rng.integers(0, len(COPY_ALPHABET), size)]
+    text = alphabet[rng.integers(0, len(alphabet), size)]
     return np.resize(text, length).astype(np.int64), size

@@ -141,22 +141,24 @@ def test_copy_rows_repeat_random_strings(corpus) -> None:  # type: ignore[no-unt
         assert len(at) > len(ids) // 10 and np.isin(ids[at].numpy(), COPY_ALPHABET).all()
 
 
-def test_copy_rows_draw_the_mixtures_alphabet(corpus) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["copy", "repeat"])
+def test_copy_and_repeat_rows_draw_the_mixtures_alphabet(corpus, kind: str) -> None:  # type: ignore[no-untyped-def]
     assert tuple(COPY_ALPHABETS) == COPY_ALPHABET_NAMES
     lower = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
     copied = {}
     for name in COPY_ALPHABET_NAMES:
-        only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, "copy": 1.0}, copy_alphabet=name)
+        only = Mixture(**{**{k: 0.0 for k in Mixture().weights}, kind: 1.0}, copy_alphabet=name)
         phase = Phase("copies", 40, 1024, 4, only, copy_weight=5.0)
         batch = MixtureSampler(corpus["train"], dataclasses.replace(tiny(), phases=(phase,)), 128).batch(0)
-        assert batch.kinds == ("copy",) * 4
+        assert batch.kinds == (kind,) * 4
         strings = np.concatenate(
             [ids[t == 5.0] for ids, t in zip(batch.ids.numpy(), batch.targets.numpy(), strict=True)]
         )
         assert np.isin(strings, COPY_ALPHABETS[name]).all()
         copied[name] = np.isin(strings, lower).mean()
-    # lower case only where asked for, about 26 of its 62 characters there
-    assert copied["codes"] == 0 and 0.3 < copied["letters"] < 0.55
+    # lower case only where asked for, about 26 of its 62 characters there (a repeat row's
+    # string is one draw of 10-40 bytes, its 1,000-odd targets four draws: a wider margin)
+    assert copied["codes"] == 0 and 0.2 < copied["letters"] < 0.65
     with pytest.raises(ValueError, match="copy_alphabet"):
         Mixture(copy_alphabet="bytes")
 
