@@ -173,7 +173,7 @@ def main() -> None:
         "--copy-alphabet",
         choices=COPY_ALPHABET_NAMES,
         default="codes",
-        help="the copy and repeat rows' strings (Mixture.copy_alphabet; letters: lower case too)",
+        help="the copy and repeat rows' strings (Mixture.copy_alphabet; letters: lower case too; lower: lower case alone)",
     )
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")

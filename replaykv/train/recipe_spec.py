@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 # `Mixture.copy_alphabet`'s choices: the keys of replaykv.train.rows.COPY_ALPHABETS.
-COPY_ALPHABET_NAMES = ("codes", "letters")
+COPY_ALPHABET_NAMES = ("codes", "letters", "lower")
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ class Mixture:
     # Chain task rows answer with the lines behind the value, `q = y = x = 123`
     # (replaykv.train.tasks.chain's `trace`).
     trace_chains: bool = False
-    # The copy and repeat rows' strings: "codes" (upper case and digits) or "letters" (lower case
-    # too; replaykv.train.rows.COPY_ALPHABETS).
+    # The copy and repeat rows' strings: "codes" (upper case and digits), "letters" (lower case
+    # too) or "lower" (lower case alone; replaykv.train.rows.COPY_ALPHABETS).
     copy_alphabet: str = "codes"
 
     def __post_init__(self) -> None:

@@ -48,8 +48,9 @@ class Evidence:
 
 # ---------------------------------------------------------------------------- copy rows
 COPY_ALPHABET = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)
-# The copy and repeat rows' alphabets by `Mixture.copy_alphabet`: "codes", the link codes' (upper case and
-# digits); "letters" adds lower case, the alphabet of a chain's names. A model copies only what
+# The copy and repeat rows' alphabets by `Mixture.copy_alphabet`: "codes", the link codes' (upper
+# case and digits); "letters" adds lower case, the alphabet of a chain's names; "lower" is lower
+# case alone, strings that read like words to a model trained on text. A model copies only what
 # its copy rows drew: one trained on codes alone copies no lower-case string, even inside its
 # window (docs/training.md, "Lower-case copies").
 COPY_ALPHABETS = {
@@ -57,6 +58,7 @@ COPY_ALPHABETS = {
     "letters": np.frombuffer(
         b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8
     ),
+    "lower": np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8),
 }
 
 

@@ -156,9 +156,9 @@ def test_copy_and_repeat_rows_draw_the_mixtures_alphabet(corpus, kind: str) -> N
         )
         assert np.isin(strings, COPY_ALPHABETS[name]).all()
         copied[name] = np.isin(strings, lower).mean()
-    # lower case only where asked for, about 26 of its 62 characters there (a repeat row's
+    # lower case only where asked for, about 26 of its 62 characters in letters (a repeat row's
     # string is one draw of 10-40 bytes, its 1,000-odd targets four draws: a wider margin)
-    assert copied["codes"] == 0 and 0.2 < copied["letters"] < 0.65
+    assert copied["codes"] == 0 and 0.2 < copied["letters"] < 0.65 and copied["lower"] == 1
     with pytest.raises(ValueError, match="copy_alphabet"):
         Mixture(copy_alphabet="bytes")
 
