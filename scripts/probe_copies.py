@@ -10,7 +10,9 @@ negative log-likelihood, per character index), for gaps inside the 128-token win
 ranges beyond it. A model that finds the earlier copy by the characters it has just read
 predicts the repeat from its second or third character on; the first is a guess (chance 1/36).
 `--alphabet lower` writes the strings in lower-case letters instead, the alphabet of a chain's
-names, which the copy rows never draw. One torch thread unless --threads says otherwise;
+names, which the copy rows of `codes` never draw; `--alphabet letters` in upper case, lower case
+and digits mixed, and each line then also splits its hits between lower-case characters and the
+rest (characters 2-16). One torch thread unless --threads says otherwise;
 `--state` scores a pilot arm's saved training state.
 """
 
@@ -28,7 +30,7 @@ import torch
 from replaykv.cache.views import allocate_view
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus, load_corpus
-from replaykv.train.rows import COPY_ALPHABET
+from replaykv.train.rows import COPY_ALPHABET, COPY_ALPHABETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_lookups import load_scored
@@ -36,7 +38,8 @@ from probe_lookups import load_scored
 SEED = 777
 SIZE = 16
 GAPS = ((10, 60), (200, 400), (500, 800))  # inside the window; beyond it; far beyond it
-ALPHABETS = {"copy": COPY_ALPHABET, "lower": np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)}
+ALPHABETS = {"copy": COPY_ALPHABET, "lower": COPY_ALPHABETS["lower"], "letters": COPY_ALPHABETS["letters"]}
+LOWER = COPY_ALPHABETS["lower"]
 
 
 def score_gap(
@@ -46,6 +49,8 @@ def score_gap(
     negative log-likelihood (nats), printed on one line."""
     spec = ModelSpec.from_config(model.config)
     hits, nll = np.zeros(SIZE), np.zeros(SIZE)
+    # characters 2-16 by class, lower case and the rest: hits, count, nats
+    split = {True: [0, 0, 0.0], False: [0, 0, 0.0]}
     for i in range(n):
         rng = np.random.default_rng([SEED, i, gap[0]])
         ids = heldout.window(rng, length, False).copy()
@@ -63,11 +68,21 @@ def score_gap(
             t = repeat + k
             nll[k] += -float(logp[t - 1, ids[t]])
             hits[k] += int(int(logp[t - 1].argmax()) == ids[t])
+            if k:
+                cls = split[bool(np.isin(ids[t], LOWER))]
+                cls[0] += int(int(logp[t - 1].argmax()) == ids[t])
+                cls[1] += 1
+                cls[2] += -float(logp[t - 1, ids[t]])
     print(
         f"gap {gap[0]}-{gap[1]} ({n} cases): hit "
         + " ".join(f"{h / n:.2f}" for h in hits)
         + " | nats "
-        + " ".join(f"{x / n:.2f}" for x in nll),
+        + " ".join(f"{x / n:.2f}" for x in nll)
+        + "".join(
+            f" | {name} {h}/{c} ({x / c:.2f} nats)"
+            for name, (h, c, x) in (("lower case", split[True]), ("others", split[False]))
+            if c and split[True][1] and split[False][1]
+        ),
         flush=True,
     )
 
