@@ -13,7 +13,10 @@ whole line with `--part line`), summed over the window's keys and the entries th
 bytes, out of the layer's one softmax over window, sink and entries. Printed per layer: the mean mass on q's latest line, the mean on an
 earlier line of q, the mean on a line of another name, and in how many cases the latest line gets
 more than every earlier line of q (a layer that orders by place: all of them; one that reads the
-first: none). Then the answers' first lookups, teacher forced. `--state` reads a pilot arm's saved
+first: none). Then the answers' first lookups, teacher forced, with the probability the model
+gives there to the right name or literal, to each other name of the program and to each
+lower-case letter the program does not name (a model that copies what it attends to puts the
+second above the third; one that suppresses it, below). `--state` reads a pilot arm's saved
 training state into the STAGE model (as `scripts/probe_counts.py` does).
 """
 
@@ -63,6 +66,11 @@ def main() -> None:
     probe = LastRowAttention(model)
     stats: dict[int, dict[str, list[float]]] = {}
     used = first_right = 0
+    # probability at the first lookup: the right value, per other name of the program, per
+    # lower-case letter the program does not name
+    p_right: list[float] = []
+    p_named: list[float] = []
+    p_absent: list[float] = []
     for case in cases_of("chain", CHAIN, args.length, args.cases, load_corpus()["heldout"]):
         prompt = list(case.prompt)
         lines = assignments(prompt, case.meta["records"])
@@ -76,6 +84,12 @@ def main() -> None:
         view = allocate_view(spec, 1, ids.shape[1], torch.device("cpu"), torch.float32)
         logits = model(ids, view, logits_rows="last")
         first_right += int(logits[0, -1].argmax()) == case.answer[at]
+        probs = logits[0, -1].float().softmax(-1)
+        named = {ord(name) for name, _, _ in lines if len(name) == 1} - {case.answer[at]}
+        absent = set(range(ord("a"), ord("z") + 1)) - named - {case.answer[at]}
+        p_right.append(float(probs[case.answer[at]]))
+        p_named.append(float(probs[sorted(named)].mean()))
+        p_absent.append(float(probs[sorted(absent)].mean()))
         if args.show:
             top = logits[0, -1].float().softmax(-1).topk(3)
             guesses = ", ".join(
@@ -105,6 +119,10 @@ def main() -> None:
     probe.remove()
     print(
         f"chain cases @ {args.length} with q assigned 2+ times: {used}; first lookup right (forced): {first_right}"
+    )
+    print(
+        f"first lookup's probability: the right value {np.mean(p_right):.3f}, each other name of the "
+        f"program {np.mean(p_named):.3f}, each lower-case letter it does not name {np.mean(p_absent):.3f}"
     )
     print(
         "layer  latest (max head)  (mean head)  earlier q line  other name  latest beats earlier (some head)"
