@@ -13,7 +13,9 @@ control: the sixth character of a 16-character string written twice in held-out 
 of the repeats 10-60 bytes after the first, half about 250), ranked among `--alphabet`. The
 lens ignores the layers after the block, so a low rank says the output holds the character in
 the output projection's terms; a rank near chance in a layer that attends to the right
-position says what it reads there is not the character.
+position says what it reads there is not the character. With `--kind copy` each layer that
+reads compressed entries also gets the attention mass (largest head, mean head) on the earlier
+copy of the character to write; `scripts/probe_recency.py` gives the chain's masses.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from replaykv.train.data import load_corpus
 from replaykv.train.rows import COPY_ALPHABETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_attention import LastRowAttention
 from probe_lookups import cases_of, load_scored
 from probe_recency import CHAIN, assignments
 
@@ -53,7 +56,8 @@ def chain_rows(length: int, n: int) -> Iterator[tuple[list[int], int]]:
 
 
 def copy_rows(length: int, n: int, alphabet: np.ndarray) -> Iterator[tuple[list[int], int]]:
-    """(ids up to a repeat's sixth character, that character) of strings written twice."""
+    """(ids up to a repeat's sixth character, that character) of strings written twice, the
+    first copy at `length // 2 - 56`."""
     heldout = load_corpus()["heldout"]
     for c in range(n):
         rng = np.random.default_rng([9, c])
@@ -89,6 +93,9 @@ def main() -> None:
         return hook
 
     handles = [layer.self_attn.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+    attention = LastRowAttention(model) if args.kind == "copy" else None
+    source = args.length // 2 - 56 + 6  # --kind copy: the earlier copy of the character to write
+    masses: dict[int, list[tuple[float, float]]] = {}
     alphabet = LOWER if args.kind == "chain" else COPY_ALPHABETS[args.alphabet]
     cls = torch.from_numpy(alphabet.astype(np.int64))
     rows = (
@@ -106,8 +113,14 @@ def main() -> None:
         for layer, out in outs.items():
             lens = model.model.norm(out[None])[0].float() @ weight.T
             ranks.setdefault(layer, []).append(int((lens[cls] > lens[right]).sum()))
+        if attention is not None:
+            for layer in attention.joint:
+                m = attention.mass(layer, source, source + 1)
+                masses.setdefault(layer, []).append((float(m.max()), float(m.mean())))
     for h in handles:
         h.remove()
+    if attention is not None:
+        attention.remove()
     n = len(final)
     print(
         f"{args.kind}: {n} cases; rank of the right character among {len(alphabet)} (0: first; "
@@ -116,8 +129,13 @@ def main() -> None:
     )
     for layer in sorted(ranks):
         got = ranks[layer]
+        mass = ""
+        if layer in masses:
+            top, mean = np.mean(masses[layer], 0)
+            mass = f" | mass on the earlier copy: largest head {top:.3f}, mean head {mean:.3f}"
         print(
             f"layer {layer:2d} attention output: mean rank {np.mean(got):4.1f}, first {sum(r == 0 for r in got)}/{n}"
+            + mass
         )
 
 
