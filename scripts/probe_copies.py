@@ -66,13 +66,14 @@ def score_gap(
             logp = torch.log_softmax(model(row, view)[0].float(), -1)  # [L, V]
         for k in range(SIZE):
             t = repeat + k
-            nll[k] += -float(logp[t - 1, ids[t]])
-            hits[k] += int(int(logp[t - 1].argmax()) == ids[t])
+            hit, cost = int(int(logp[t - 1].argmax()) == ids[t]), -float(logp[t - 1, ids[t]])
+            hits[k] += hit
+            nll[k] += cost
             if k:
                 cls = split[bool(np.isin(ids[t], LOWER))]
-                cls[0] += int(int(logp[t - 1].argmax()) == ids[t])
+                cls[0] += hit
                 cls[1] += 1
-                cls[2] += -float(logp[t - 1, ids[t]])
+                cls[2] += cost
     print(
         f"gap {gap[0]}-{gap[1]} ({n} cases): hit "
         + " ".join(f"{h / n:.2f}" for h in hits)

@@ -42,6 +42,11 @@ from probe_recency import CHAIN, assignments
 LOWER = COPY_ALPHABETS["lower"]
 
 
+def copy_first(length: int) -> int:
+    """Where `copy_rows` writes a string's first copy."""
+    return length // 2 - 56
+
+
 def chain_rows(length: int, n: int) -> Iterator[tuple[list[int], int]]:
     """(ids up to the first lookup, the right letter) of chain cases whose q is assigned two or
     more times and whose first lookup is a name."""
@@ -63,7 +68,7 @@ def copy_rows(length: int, n: int, alphabet: np.ndarray) -> Iterator[tuple[list[
         rng = np.random.default_rng([9, c])
         ids = heldout.window(rng, length, False).copy()
         text = alphabet[rng.integers(0, len(alphabet), 16)]
-        first = length // 2 - 56
+        first = copy_first(length)
         repeat = first + 16 + (int(rng.integers(10, 60)) if c % 2 == 0 else 250)
         repeat = min(repeat, length - 16)
         ids[first : first + 16] = text
@@ -94,7 +99,7 @@ def main() -> None:
 
     handles = [layer.self_attn.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
     attention = LastRowAttention(model) if args.kind == "copy" else None
-    source = args.length // 2 - 56 + 6  # --kind copy: the earlier copy of the character to write
+    source = copy_first(args.length) + 6  # --kind copy: the earlier copy of the character to write
     masses: dict[int, list[tuple[float, float]]] = {}
     alphabet = LOWER if args.kind == "chain" else COPY_ALPHABETS[args.alphabet]
     cls = torch.from_numpy(alphabet.astype(np.int64))

@@ -91,7 +91,7 @@ def main() -> None:
         p_named.append(float(probs[sorted(named)].mean()))
         p_absent.append(float(probs[sorted(absent)].mean()))
         if args.show:
-            top = logits[0, -1].float().softmax(-1).topk(3)
+            top = probs.topk(3)
             guesses = ", ".join(
                 f"{chr(int(i)) if i < 128 else int(i)!r} {float(v):.2f}" for v, i in zip(*top, strict=True)
             )
