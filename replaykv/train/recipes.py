@@ -7,8 +7,6 @@ the numbers lives here or in the types of :mod:`replaykv.train.recipe_spec` (re-
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from replaykv.train.recipe_spec import BarSpec, EvalSpec, Mixture, Paths, Phase, Recipe
 
 __all__ = [
@@ -129,7 +127,7 @@ def _mixed(
 # Stage boundaries of `small`, each sized for at most 100 minutes of 2 CPU cores (measured step
 # times: 8 × 256 about 2.5 s, 8 × 512 about 4.5 s, 8 × 1,024 about 10.5 s, 4 × 2,048 and
 # 2 × 4,096 about 11-12 s; docs/training.md has the times each stage took).
-SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550, 4850, 5150, 5450, 5750, 6050, 6350, 7200)
+SMALL_STAGES = (700, 1800, 2600, 3050, 3500, 3950, 4250, 4550, 4850, 5150, 5450, 5750, 6050, 6350)
 # The cosine ends here, where the first plan of `small` ended; the task phase after it keeps
 # `min_lr`.
 SMALL_DECAY_END = 4550
@@ -146,43 +144,6 @@ TASK_MIXTURE = Mixture(
 # (2 a step, so 0.7 pass-key cases a step against 2.8 at 8 × 1,024) held-out keys beyond the
 # window fell at 1,024 and 2,048 tokens between steps 3500 and 4250 (docs/training.md).
 LENGTHS_CYCLE: tuple[tuple[int, int, int | None], ...] = ((1024, 8, 4), (2048, 4, 2), (4096, 2, 1))
-# After the task phase the model copied no lower-case string (it read one as a word), and chain
-# names and values are lower-case letters; repeat and copy rows in mixed-case letters, then in
-# lower case alone, taught it to (docs/training.md, "Lower-case copies").
-LETTERS_MIXTURE = Mixture(
-    text=0.15,
-    passkey=0.15,
-    multihop=0.1,
-    chain=0.0,
-    extract=0.0,
-    tool=0.0,
-    copy=0.25,
-    repeat=0.35,
-    copy_alphabet="letters",
-)
-# Then chain, recency and program rows with their lookups written out, beside multi-hop rows with
-# their hops written out: layer 3 attended to the right value but its read-out stayed near chance
-# until the evidence term trained that layer alone (the chain's first lookup went from 2 to 12 of
-# 24 held-out cases in the pilot, docs/training.md).
-LOOKUPS_MIXTURE = Mixture(
-    text=0.1,
-    passkey=0.1,
-    multihop=0.1,
-    chain=0.2,
-    extract=0.025,
-    tool=0.025,
-    copy=0.1,
-    repeat=0.15,
-    program=0.1,
-    recency=0.1,
-    trace_hops=True,
-    trace_chains=True,
-    copy_alphabet="lower",
-)
-# The lookup stage's rows: mostly 512 tokens, where the pilots ran, with 1K and 2K rows in turn to
-# keep pass keys at the bar's lengths.
-LOOKUPS_CYCLE: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8), (1024, 4, 4), (2048, 2, 2))
-LOOKUPS_LR = 5e-4
 # Steps 0-3500 selected the top-64 compressed entries per query; from the last phase on, the
 # preset's 512 (see presets_v41.v41_small: with 64 the selection, not the attention, lost keys).
 SMALL_EARLY_TOPK = 64
@@ -203,9 +164,6 @@ def small() -> Recipe:
     6-8    450, 300 and 300 mixture                            8 × 1,024 / 4 × 2,048 /
                                                                2 × 4,096 in turn
     9-14   300 each of the task mixture at `min_lr`            the same in turn
-    15     300 repeat and copy rows in letters, 550 lookups    8 × 512; 8 × 512 /
-           with their steps written out and evidence on        4 × 1,024 / 2 × 2,048
-           layer 3, at 5e-4                                    in turn
     =====  ==================================================  ====================
 
     Rung 1 (pass keys at every depth of 1K and 2K contexts) is within reach after stage 4, rung 2
@@ -245,27 +203,6 @@ def small() -> Recipe:
                 cycle=LENGTHS_CYCLE,
                 prompt_from=0.25,
                 mixture=TASK_MIXTURE,
-            ),
-            replace(
-                _mixed("letters", steps=300, seq_len=512, batch=8, prompt_from=0.25, mixture=LETTERS_MIXTURE),
-                lr=LOOKUPS_LR,
-            ),
-            replace(
-                _mixed(
-                    "lookups",
-                    steps=550,
-                    seq_len=512,
-                    batch=8,
-                    cycle=LOOKUPS_CYCLE,
-                    prompt_from=0.25,
-                    mixture=LOOKUPS_MIXTURE,
-                ),
-                evidence_loss=20.0,
-                evidence_contrast=True,
-                evidence_rows=("multihop", "program", "recency", "chain"),
-                evidence_tail=4,
-                evidence_layers=(3,),
-                lr=LOOKUPS_LR,
             ),
         ),
         lr=2e-3,

@@ -468,14 +468,11 @@ def test_a_cycled_phase_takes_its_row_shapes_in_turn(corpus) -> None:  # type: i
         dataclasses.replace(phase, cycle=((128, 0, None),))
 
 
-def test_small_keeps_short_rows_beside_long_ones_in_its_task_phase() -> None:
+def test_small_keeps_short_rows_beside_long_ones_in_its_last_phase() -> None:
     recipe = small()
-    names = [p.name for p in recipe.phases]
-    end = sum(p.steps for p in recipe.phases[: names.index("tasks") + 1])
-    tasks = recipe.phase_at(end - 1)
-    lengths = {recipe.phase_at(end - 1 - k).seq_len for k in range(3)}
-    assert tasks.name == "tasks" and lengths == {1024, 2048, 4096} and tasks.prompt_from < 0.5
-    assert recipe.phase_at(end).name != "tasks"
+    last = recipe.phases[-1]
+    lengths = {recipe.phase_at(recipe.total_steps - 1 - k).seq_len for k in range(3)}
+    assert lengths == {1024, 2048, 4096} and last.prompt_from < 0.5
     assert {recipe.phase_at(s).batch * recipe.phase_at(s).seq_len for s in range(3500, 3510)} == {8192}
 
 
