@@ -176,6 +176,7 @@ def main() -> None:
         help="the copy and repeat rows' strings (Mixture.copy_alphabet; letters: lower case too; lower: lower case alone)",
     )
     p.add_argument("--all-cells", action="store_true", help="also the chain cells of the probe")
+    p.add_argument("--kernels", choices=("fused", "eager"), default="fused", help="how a step computes")
     p.add_argument("--skip-start", action="store_true", help="do not score the starting weights")
     p.add_argument(
         "--resume",
@@ -226,6 +227,7 @@ def main() -> None:
             evaluate_at_end=False,
             progress=False,
             precision=args.precision,
+            kernels=args.kernels,
         )
         last20 = sum(r.losses[-20:]) / len(r.losses[-20:])
         print(

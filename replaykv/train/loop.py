@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ from replaykv.train.state import (
     save_state,
     set_rng_state,
 )
-from replaykv.train.step import accumulate_gradients
+from replaykv.train.step import accumulate_gradients, skip_nonfinite
 
 
 @dataclass
@@ -212,6 +213,7 @@ def train(
         ahead = [e for e in recipe.stage_ends if e > step]
         end = min(end, ahead[min(stages, len(ahead)) - 1] if ahead and stages > 0 else step)
     losses: list[float] = []
+    nonfinite = 0  # steps in a row whose gradient was not finite
     stop = StopOnSigterm()
     last_save = time.monotonic()
     bar = tqdm(total=end, initial=step, disable=not progress, desc=f"train {recipe.name}", unit="step")
@@ -231,8 +233,14 @@ def train(
             clip = recipe.grad_clip + (phase.evidence_clip if phase.evidence_loss > 0 else 0.0)
             params = [*model.parameters(), *(keys.parameters() if keys is not None else ())]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            opt.step()
-            balance.update()
+            if math.isfinite(grad_norm):
+                opt.step()
+                balance.update()
+                nonfinite = 0
+            else:
+                nonfinite += 1
+                opt.zero_grad(set_to_none=True)
+                skip_nonfinite(out, step + 1, phase, parts, nonfinite, settings.kernels, bar)
             step += 1
             tokens += batch.tokens
             dt = time.perf_counter() - t0

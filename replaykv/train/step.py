@@ -1,5 +1,6 @@
 """One training step's gradient: forward and backward of a batch in micro-batches, the loss parts
-weighted so that the accumulated gradient is the whole batch's, and the gradient budgets.
+weighted so that the accumulated gradient is the whole batch's, the gradient budgets, and what a
+step whose gradient is not finite does.
 
 Every loss a phase adds (the paths' language-model losses, the indexer KL, the evidence-attention
 loss) normally joins one gradient, which the loop clips to `Recipe.grad_clip` as a whole. With
@@ -17,6 +18,9 @@ losses (:mod:`replaykv.train.paths`), the losses themselves (:mod:`replaykv.trai
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from replaykv.model.spec import ModelSpec
@@ -27,6 +31,7 @@ from replaykv.train.evidence import EvidenceAttention
 from replaykv.train.keys import RecordKeys
 from replaykv.train.paths import path_losses
 from replaykv.train.recipes import Phase, Recipe
+from replaykv.train.state import log_record
 
 
 def accumulate_gradients(
@@ -123,6 +128,32 @@ def accumulate_gradients(
         norms = budgets.release({"rest": recipe.grad_clip, "evidence": phase.evidence_clip})
         logged.update({f"grad_norm_{name}": norm for name, norm in norms.items()})
     return logged
+
+
+# Non-finite gradients in a row after which a run stops: one is skipped (its batch is spent with
+# no update), a run of them means the weights or a loss are broken, not one batch.
+NONFINITE_LIMIT = 3
+
+
+def skip_nonfinite(
+    out: Path, step: int, phase: Any, parts: dict[str, float], run: int, kernels: str, bar: Any
+) -> None:
+    """Log a step whose gradient was not finite (its optimiser step skipped); raise once `run`
+    such steps in a row reach `NONFINITE_LIMIT`, naming the loss parts and a known cause."""
+    log_record(out, {"step": step, "phase": phase.name, "skipped": "non-finite gradient", **parts})
+    bar.write(f"step {step}: non-finite gradient, optimiser step skipped; loss parts {parts}")
+    if run < NONFINITE_LIMIT:
+        return
+    hint = ""
+    if kernels == "fused" and phase.evidence_loss > 0 and phase.evidence_clip > 0:
+        hint = (
+            "; Phase.evidence_clip backpropagates twice through the fused kernels' compiled "
+            "attention block, whose second backward has given NaN: use --kernels eager"
+        )
+    raise FloatingPointError(
+        f"steps {step - run + 1}-{step} of phase {phase.name!r} gave non-finite gradients "
+        f"(loss parts {parts}); no update was applied, the saved state is the last checkpoint's{hint}"
+    )
 
 
 class _Budgets:

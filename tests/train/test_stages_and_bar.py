@@ -74,6 +74,35 @@ def _log(out):  # type: ignore[no-untyped-def]
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+def test_non_finite_gradients_skip_their_steps_then_stop_the_run(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
+    """A stage checkpoint with one NaN in the output projection: every step's gradient is NaN, so
+    the loop applies none of them, logs each as skipped and stops after `NONFINITE_LIMIT` in a row
+    with an error that names them, instead of training on."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from replaykv.train.step import NONFINITE_LIMIT
+
+    recipe = _staged()
+    loop.train(recipe, tmp_path / "first", corpus=corpus, progress=False, stages=1, evaluate_at_end=False)
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "first" / "stage", broken)
+    (path,) = [f for f in weight_files(broken) if "lm_head.weight" in load_file(f)]
+    tensors = load_file(path)
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    tensors["lm_head.weight"][5, 0] = float("nan")
+    save_file(tensors, path, metadata=meta)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"steps 4-6 of phase 'base' gave non-finite gradients"):
+        loop.train(
+            recipe, out, resume=True, from_stage=broken, corpus=corpus, progress=False, evaluate_at_end=False
+        )
+    skipped = [r["step"] for r in _log(out) if r.get("skipped") == "non-finite gradient"]
+    assert NONFINITE_LIMIT == 3 and skipped == [4, 5, 6]
+    assert not (out / "stage").exists()  # no stage checkpoint from the broken steps
+
+
 def test_a_stage_checkpoint_lets_a_bare_machine_continue(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
     recipe = _staged()
     out = tmp_path / "run"
