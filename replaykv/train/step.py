@@ -136,7 +136,7 @@ NONFINITE_LIMIT = 3
 
 
 def skip_nonfinite(
-    out: Path, step: int, phase: Any, parts: dict[str, float], run: int, kernels: str, bar: Any
+    out: Path, step: int, phase: Phase, parts: dict[str, float], run: int, kernels: str, bar: Any
 ) -> None:
     """Log a step whose gradient was not finite (its optimiser step skipped); raise once `run`
     such steps in a row reach `NONFINITE_LIMIT`, naming the loss parts and a known cause."""
