@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from replaykv.train.data import load_corpus
-from replaykv.train.evaluate import evaluate
+from replaykv.train.evaluate import evaluate, summarize
 from replaykv.train.recipes import small
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,11 +45,7 @@ def main() -> None:
         model = load_scored(stage, state)
         with torch.inference_mode():
             r = evaluate(model, corpus["heldout"], spec)
-        tasks = {t: round(v["full"]["acc"], 3) for t, v in r["tasks"].items() if "full" in v}
-        print(
-            json.dumps({"stage": stage, "state": state, "bpb": round(r["text"]["bpb"], 3), **tasks}),
-            flush=True,
-        )
+        print(json.dumps({"stage": stage, "state": state, **summarize(r)}), flush=True)
 
 
 if __name__ == "__main__":

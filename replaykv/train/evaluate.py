@@ -193,6 +193,12 @@ def evaluate(model: Any, heldout: Corpus, spec: EvalSpec) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the model card
+def summarize(metrics: dict[str, Any]) -> dict[str, Any]:
+    """An `evaluate` result in one line: held-out bits per byte and each task's full-path accuracy."""
+    tasks = {t: round(r["full"]["acc"], 3) for t, r in metrics["tasks"].items() if "full" in r}
+    return {"bpb": round(metrics["text"]["bpb"], 4), **tasks}
+
+
 def _cell(r: dict[str, Any] | None) -> str:
     if not r or not r.get("n"):
         return "—"

@@ -50,7 +50,7 @@ from replaykv.model.checkpoint import has_weights, load_model
 from replaykv.model.spec import ModelSpec
 from replaykv.train.data import Corpus, MixtureSampler, load_corpus
 from replaykv.train.distill import IndexerDistillation
-from replaykv.train.evaluate import evaluate, render_card
+from replaykv.train.evaluate import evaluate, render_card, summarize
 from replaykv.train.evidence import EvidenceAttention
 from replaykv.train.keys import LR_SCALE, RecordKeys
 from replaykv.train.recipes import Recipe
@@ -239,7 +239,6 @@ def train(
                 nonfinite = 0
             else:
                 nonfinite += 1
-                opt.zero_grad(set_to_none=True)
                 skip_nonfinite(out, step + 1, phase, parts, nonfinite, settings.kernels, bar)
             step += 1
             tokens += batch.tokens
@@ -256,8 +255,8 @@ def train(
                 log_record(out, record)
             if recipe.quick_eval is not None and recipe.eval_every and step % recipe.eval_every == 0:
                 quick = evaluate(model, corpus["heldout"], recipe.quick_eval)
-                log_record(out, {"step": step, "eval": _summary(quick)})
-                bar.write(f"step {step}: " + json.dumps(_summary(quick)))
+                log_record(out, {"step": step, "eval": summarize(quick)})
+                bar.write(f"step {step}: " + json.dumps(summarize(quick)))
             due = time.monotonic() - last_save >= checkpoint_seconds
             if step % recipe.checkpoint_every == 0 or step == end or due or stop.requested:
                 meta = {
@@ -316,11 +315,6 @@ def train(
         export(model, out, recipe, corpus, training, init, shard_bytes)
         exported = True
     return TrainResult(step, tokens, seconds, losses, out, exported)
-
-
-def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
-    tasks = {t: round(r["full"]["acc"], 3) for t, r in metrics["tasks"].items() if "full" in r}
-    return {"bpb": round(metrics["text"]["bpb"], 4), **tasks}
 
 
 def export(
