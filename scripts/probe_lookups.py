@@ -16,7 +16,8 @@ with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed. -
 the multi-hop cells, a measure finer than exact match: the teacher-forced log-likelihood of every
 record's answer B after the prompt, a case counted when the true answer ranks first (chance one
 over the number of records). --steps splits the traced cells by step, teacher forced: each
-step's code, name or value, and the joins with the closing <|end|>.
+step's code, name or value, and the joins with the closing <|end|>; for the chain cell it also
+counts what each wrong lookup wrote instead (see chain_miss).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +151,7 @@ def steps_cell(
     model: Any, cell: tuple[str, str, dict[str, Any], float], length: int, n: int, corpus: Any
 ) -> dict[str, Any]:
     """One traced cell, teacher forced, split by what an answer is made of: how many cases get
-    each step's name, code or value right, and how many get every joining ` -> ` / ` = ` and the
+    each step's name, code or value right (of those whose answer has that step), and how many get every joining ` -> ` / ` = ` and the
     closing <|end|> right (a model that stops after one step fails only the latter)."""
     label, task, controls, _ = cell
     sep = " -> " if task == "multihop" else " = "
@@ -157,6 +159,8 @@ def steps_cell(
     device = next(model.parameters()).device
     cases = cases_of(task, controls, length, n, corpus)
     by_step: list[int] = []
+    having: list[int] = []  # how many answers have a step k at all
+    misses: Counter[str] = Counter()  # a chain's wrong lookups, by what was written instead
     joins = 0
     for case in cases:
         p_len = len(case.prompt)
@@ -169,17 +173,39 @@ def steps_cell(
         for k, part in enumerate(parts):
             if k >= len(by_step):
                 by_step.append(0)
+                having.append(0)
             by_step[k] += all(right[at : at + len(part)])
+            having[k] += 1
+            if task == "chain" and k and not all(right[at : at + len(part)]):
+                written = TOKENIZER.decode(pred[at : at + len(part)].tolist())
+                misses[chain_miss(case, parts[k - 1], part, written)] += 1
             at += len(part)
             end = at + (len(sep) if k + 1 < len(parts) else 1)  # the join, or <|end|>
             ok_join &= all(right[at:end])
             at = end
         joins += ok_join
-    steps = ", ".join(f"{k + 1}: {v}/{len(cases)}" for k, v in enumerate(by_step))
+    steps = ", ".join(f"{k + 1}: {v}/{h}" for k, (v, h) in enumerate(zip(by_step, having, strict=True)))
     print(
         f"{label} @ {length}, teacher forced by step: {steps}; joins and end {joins}/{len(cases)}", flush=True
     )
-    return {"steps": by_step, "joins": joins, "n": len(cases)}
+    if misses:
+        print(f"{label} @ {length}, wrong lookups: " + ", ".join(f"{k} {v}" for k, v in misses.most_common()))
+    return {"steps": by_step, "having": having, "joins": joins, "n": len(cases), "misses": dict(misses)}
+
+
+def chain_miss(case: TaskSample, name: str, value: str, written: str) -> str:
+    """What a wrong lookup of a traced chain answer wrote instead of `value` (teacher forced,
+    so each byte follows the right ones): `a slip` (a literal whose first digit is right and a
+    later one wrong: the line was found, the copy failed), `another value of NAME` (an earlier or
+    later assignment of the name looked up), `another line's value`, or `in no line`."""
+    lines = [TOKENIZER.decode(list(case.prompt[lo:hi])).split(" = ") for lo, hi in case.meta["records"]]
+    if value.isdigit() and written[:1] == value[:1]:
+        return "a slip"
+    if written in {v for n, v in lines if n == name}:
+        return "another value of the name"
+    if written in {v for _, v in lines}:
+        return "another line's value"
+    return "in no line"
 
 
 def main() -> None:
