@@ -17,7 +17,8 @@ the multi-hop cells, a measure finer than exact match: the teacher-forced log-li
 record's answer B after the prompt, a case counted when the true answer ranks first (chance one
 over the number of records). --steps splits the traced cells by step, teacher forced: each
 step's code, name or value, and the joins with the closing <|end|>; for the chain cell it also
-counts what each wrong lookup wrote instead (see chain_miss).
+counts what each wrong lookup wrote instead (see chain_miss) and how many answers a name's
+latest line in the whole program would give (see latest_rule).
 """
 
 from __future__ import annotations
@@ -190,7 +191,22 @@ def steps_cell(
     )
     if misses:
         print(f"{label} @ {length}, wrong lookups: " + ", ".join(f"{k} {v}" for k, v in misses.most_common()))
+    if task == "chain":
+        rule = sum(latest_rule(case) == case.answer_text for case in cases)
+        print(
+            f"{label} @ {length}: a name's latest line in the whole program would write {rule}/{len(cases)}"
+        )
     return {"steps": by_step, "having": having, "joins": joins, "n": len(cases), "misses": dict(misses)}
+
+
+def latest_rule(case: TaskSample) -> str:
+    """The traced chain answer a model would write that took every name's latest line in the
+    whole program, where the task asks for its latest line before the line found last."""
+    lines = [TOKENIZER.decode(list(case.prompt[lo:hi])).split(" = ") for lo, hi in case.meta["records"]]
+    trace = [case.answer_text.split(" = ")[0]]
+    while not trace[-1].isdigit() and len(trace) <= len(lines):
+        trace.append([v for n, v in lines if n == trace[-1]][-1])
+    return " = ".join(trace)
 
 
 def chain_miss(case: TaskSample, name: str, value: str, written: str) -> str:
