@@ -12,7 +12,8 @@ bar's chains answered with the lines behind the value (`q = y = x = 123`, chance
 Teacher-forced and greedy exact match per cell, as the bar scores them
 (replaykv.train.bar.score_cases), without bounded replay. One torch thread unless --threads says
 otherwise; --only TEXT scores the cells whose label holds TEXT; --kv-quant off scores the weights
-with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed. --choice adds, for
+with the KV fake-quantisers (FP8 window, FP4 entries and index keys) bypassed; --state ARM_DIR
+scores a pilot arm's saved training state (the model argument gives its config). --choice adds, for
 the multi-hop cells, a measure finer than exact match: the teacher-forced log-likelihood of every
 record's answer B after the prompt, a case counted when the true answer ranks first (chance one
 over the number of records). --steps splits the traced cells by step, teacher forced: each
@@ -236,10 +237,13 @@ def main() -> None:
     p.add_argument(
         "--steps", action="store_true", help="also split the traced cells by step (teacher forced)"
     )
+    p.add_argument("--state", help="a pilot arm's directory: score its saved training state's weights")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     quant = {"on": True, "off": False}.get(args.kv_quant)
     model = load_model(args.model, config=load_config(args.model, kv_quant=quant)).float().eval()
+    if args.state:
+        model.load_state_dict(torch.load(Path(args.state) / STATE, weights_only=False)["model"])
     heldout = load_corpus()["heldout"]
     for cell in (c for c in CELLS + TRACE_CELLS if args.only in c[0]):
         score_cell(model, cell, args.length, args.cases, heldout)
