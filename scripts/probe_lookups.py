@@ -153,8 +153,8 @@ def steps_cell(
     model: Any, cell: tuple[str, str, dict[str, Any], float], length: int, n: int, corpus: Any
 ) -> dict[str, Any]:
     """One traced cell, teacher forced, split by what an answer is made of: how many cases get
-    each step's name, code or value right (of those whose answer has that step), and how many get every joining ` -> ` / ` = ` and the
-    closing <|end|> right (a model that stops after one step fails only the latter)."""
+    each step's name, code or value right (of those whose answer has that step), and how many get
+    every joining ` -> ` / ` = ` and the closing <|end|> right (a model that stops after one step fails only the latter)."""
     label, task, controls, _ = cell
     sep = " -> " if task == "multihop" else " = "
     spec = ModelSpec.from_config(model.config)
@@ -200,10 +200,15 @@ def steps_cell(
     return {"steps": by_step, "having": having, "joins": joins, "n": len(cases), "misses": dict(misses)}
 
 
+def chain_lines(case: TaskSample) -> list[list[str]]:
+    """A chain case's statements in prompt order, each as [name, value]."""
+    return [TOKENIZER.decode(list(case.prompt[lo:hi])).split(" = ") for lo, hi in case.meta["records"]]
+
+
 def latest_rule(case: TaskSample) -> str:
     """The traced chain answer a model would write that took every name's latest line in the
     whole program, where the task asks for its latest line before the line found last."""
-    lines = [TOKENIZER.decode(list(case.prompt[lo:hi])).split(" = ") for lo, hi in case.meta["records"]]
+    lines = chain_lines(case)
     trace = [case.answer_text.split(" = ")[0]]
     while not trace[-1].isdigit() and len(trace) <= len(lines):
         trace.append([v for n, v in lines if n == trace[-1]][-1])
@@ -213,9 +218,9 @@ def latest_rule(case: TaskSample) -> str:
 def chain_miss(case: TaskSample, name: str, value: str, written: str) -> str:
     """What a wrong lookup of a traced chain answer wrote instead of `value` (teacher forced,
     so each byte follows the right ones): `a slip` (a literal whose first digit is right and a
-    later one wrong: the line was found, the copy failed), `another value of NAME` (an earlier or
-    later assignment of the name looked up), `another line's value`, or `in no line`."""
-    lines = [TOKENIZER.decode(list(case.prompt[lo:hi])).split(" = ") for lo, hi in case.meta["records"]]
+    later one wrong: the line was found, the copy failed), `another value of the name` (an earlier
+    or later assignment of the name looked up), `another line's value`, or `in no line`."""
+    lines = chain_lines(case)
     if value.isdigit() and written[:1] == value[:1]:
         return "a slip"
     if written in {v for n, v in lines if n == name}:
