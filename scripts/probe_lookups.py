@@ -62,11 +62,11 @@ TRACE_CELLS: tuple[tuple[str, str, dict[str, Any], float], ...] = (
 SEED = 555
 
 
-def load_scored(stage: str, state: str | None = None) -> Any:
-    """The STAGE checkpoint's model in float32 for scoring; with `state`, a pilot arm's
-    directory, the weights of its saved training state (`train_state/state.pt`), to score a
-    run between its exports."""
-    model = load_model(stage).float().eval()
+def load_scored(stage: str, state: str | None = None, config: Any = None) -> Any:
+    """The STAGE checkpoint's model in float32 for scoring (under `config` if given); with
+    `state`, a pilot arm's directory, the weights of its saved training state
+    (`train_state/state.pt`), to score a run between its exports."""
+    model = load_model(stage, config=config).float().eval()
     if state:
         model.load_state_dict(torch.load(Path(state) / STATE, weights_only=False)["model"])
     return model
@@ -246,9 +246,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     quant = {"on": True, "off": False}.get(args.kv_quant)
-    model = load_model(args.model, config=load_config(args.model, kv_quant=quant)).float().eval()
-    if args.state:
-        model.load_state_dict(torch.load(Path(args.state) / STATE, weights_only=False)["model"])
+    model = load_scored(args.model, args.state, load_config(args.model, kv_quant=quant))
     heldout = load_corpus()["heldout"]
     for cell in (c for c in CELLS + TRACE_CELLS if args.only in c[0]):
         score_cell(model, cell, args.length, args.cases, heldout)
