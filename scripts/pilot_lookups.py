@@ -11,7 +11,8 @@ mixture given by `--mixture` (the recipe's row kinds and weights), with the `sma
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
 replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive form,
 `--evidence-rows` the row kinds it reads, `--evidence-tail` the part of each record it
-counts, `--evidence-layers` the layers it teaches, `--evidence-clip` its own gradient budget; with
+counts, `--evidence-layers` the layers it teaches (`--evidence-keyed-layers` those for records keyed by a
+code), `--evidence-clip` its own gradient budget; with
 `--record-keys`, the record-key loss of replaykv.train.keys at that weight on the KV sources
 `--record-key-layers`), with `--trace-hops` and `--trace-chains`, multi-hop and chain rows
 that answer with every step (`2: B (1) -> C (0)`, `q = y = x = 123`), with `--cycle`, the row
@@ -72,6 +73,11 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         evidence_rows=tuple(args.evidence_rows.split(",")),
         evidence_tail=args.evidence_tail,
         evidence_layers=tuple(int(x) for x in args.evidence_layers.split(",") if x),
+        evidence_keyed_layers=(
+            None
+            if args.evidence_keyed_layers is None
+            else tuple(int(x) for x in args.evidence_keyed_layers.split(",") if x and x != "all")
+        ),
         evidence_clip=args.evidence_clip,
         record_keys=args.record_keys,
         record_key_layers=tuple(int(x) for x in args.record_key_layers.split(",") if x),
@@ -138,6 +144,12 @@ def main() -> None:
         "--evidence-layers",
         default="",
         help="comma-separated layers it teaches (Phase.evidence_layers; empty: every layer with entries)",
+    )
+    p.add_argument(
+        "--evidence-keyed-layers",
+        default=None,
+        help="the layers it teaches on records keyed by a code, multi-hop, recall and lookup ones "
+        "(Phase.evidence_keyed_layers; all: every layer with entries; absent: --evidence-layers)",
     )
     p.add_argument(
         "--evidence-clip",

@@ -22,7 +22,10 @@ itself. A question with no rival record visible yet is left out. With `tail` n >
 B: the entries a lookup has to read, whose keys must hold the A before them. `layers`
 (`Phase.evidence_layers`) limits the loss to the named layers (empty: every layer with
 compressed entries), e.g. the decoder's, whose entries are one per token and drawn from the
-encoder's last hidden states.
+encoder's last hidden states. `keyed_layers` (`Phase.evidence_keyed_layers`) gives the questions
+whose records are keyed by a code (`Evidence.keyed`: lookup, multi-hop and recall records
+`A -> B`) layers of their own, so that a chain's statements and the records by a code can be
+taught in different layers (None: `layers` for both).
 
 Not for: the indexer's own loss (:mod:`replaykv.train.distill`), the language-model losses.
 """
@@ -91,7 +94,8 @@ class EvidenceAttention(LayerLosses):
     questions) and the length of the rows; a forward over exactly those rows from position 0
     with autograd on records each layer's loss; `pop()` returns the mean over the recorded
     layers and questions (None when nothing was recorded) and disarms; with `layers` given to
-    `arm`, only those layers record. `remove()` drops the hooks."""
+    `arm`, only those layers record (with `keyed_layers` as well, those layers for the keyed
+    questions and `layers` for the rest). `remove()` drops the hooks."""
 
     def __init__(self, model: Any) -> None:
         self._rows: tuple[tuple[Evidence, ...], ...] = ()
@@ -99,6 +103,7 @@ class EvidenceAttention(LayerLosses):
         self._contrast = False
         self._tail = 0
         self._layers: tuple[int, ...] = ()
+        self._keyed_layers: tuple[int, ...] | None = None
         self._losses: list[torch.Tensor] = []
         self._seen: set[int] = set()  # layers recorded since `arm`: a later path's pass adds none
         hooked = entry_attentions(model)
@@ -112,14 +117,16 @@ class EvidenceAttention(LayerLosses):
         contrast: bool = False,
         tail: int = 0,
         layers: tuple[int, ...] = (),
+        keyed_layers: tuple[int, ...] | None = None,
     ) -> None:
-        if not set(layers) <= set(self.layer_ids):
-            absent = sorted(set(layers) - set(self.layer_ids))
+        named = set(layers) | set(keyed_layers or ())
+        if not named <= set(self.layer_ids):
+            absent = sorted(named - set(self.layer_ids))
             raise ValueError(
                 f"evidence layers {absent} read no compressed entries (those are {self.layer_ids})"
             )
         self._rows, self._length, self._contrast, self._tail = rows, length, contrast, tail
-        self._layers = layers
+        self._layers, self._keyed_layers = layers, keyed_layers
         self._losses.clear()
         self._seen.clear()
 
@@ -128,13 +135,19 @@ class EvidenceAttention(LayerLosses):
         self.arm((), 0)
         return total
 
+    def _taught(self, layer: int, keyed: bool) -> bool:
+        """Whether `layer` teaches the questions whose records are keyed (or not)."""
+        layers = self._keyed_layers if keyed and self._keyed_layers is not None else self._layers
+        return not layers or layer in layers
+
     def _hook(self, attn: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
         x, step, cache = args[0], args[1], args[2]
-        if self._layers and attn.layer not in self._layers:
+        rows = tuple(tuple(e for e in row if self._taught(attn.layer, e.keyed)) for row in self._rows)
+        if not any(rows):
             return
         if not self._records(attn, x, step, self._length):
             return
-        loss = evidence_loss(attn, x, step, cache.entries, self._rows, self._contrast, self._tail)
+        loss = evidence_loss(attn, x, step, cache.entries, rows, self._contrast, self._tail)
         if loss is not None:
             self._losses.append(loss)
 

@@ -146,7 +146,10 @@ class Phase:
     of the line that gives it, the block's lines' values its rivals);
     `evidence_tail`: 0, each record counts whole; n > 0, by its last n bytes only (4: a record `A -> B`'s answer
     code B); `evidence_layers`: the layers it teaches
-    (empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
+    (empty: every layer that reads compressed entries); `evidence_keyed_layers`: the layers it
+    teaches on the questions whose records are keyed by a code (`lookup`, `multihop`, `recall`
+    records `A -> B`), the other questions keeping `evidence_layers` (None: `evidence_layers`
+    for all; empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
     rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
     rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`). `record_keys`: the weight
     of the record-key loss on the same rows' records (0: off; see :mod:`replaykv.train.keys`);
@@ -171,6 +174,7 @@ class Phase:
     evidence_rows: tuple[str, ...] = ("lookup",)
     evidence_tail: int = 0
     evidence_layers: tuple[int, ...] = ()
+    evidence_keyed_layers: tuple[int, ...] | None = None
     evidence_clip: float = 0.0
     record_keys: float = 0.0
     record_key_layers: tuple[int, ...] = ()
@@ -197,7 +201,7 @@ class Phase:
             )
         if self.evidence_tail < 0:
             raise ValueError(f"phase {self.name}: evidence_tail must not be negative")
-        if any(i < 0 for i in self.evidence_layers):
+        if any(i < 0 for i in self.evidence_layers + (self.evidence_keyed_layers or ())):
             raise ValueError(f"phase {self.name}: evidence_layers are layer indices")
         if not self.evidence_clip >= 0:
             raise ValueError(f"phase {self.name}: evidence_clip must not be negative")
@@ -404,4 +408,8 @@ class Recipe:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = asdict(self)
+        for phase in fields["phases"]:  # a phase without keyed layers keeps its earlier digest
+            if phase["evidence_keyed_layers"] is None:
+                del phase["evidence_keyed_layers"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -79,6 +79,7 @@ def accumulate_gradients(
                 phase.evidence_contrast,
                 phase.evidence_tail,
                 phase.evidence_layers,
+                phase.evidence_keyed_layers,
             )
         if keys is not None and phase.record_keys > 0:
             keys.arm(batch.evidence[rows], ids[rows])

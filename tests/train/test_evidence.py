@@ -103,6 +103,41 @@ def test_the_loss_reads_the_attention_the_layers_compute(
     assert hooks.pop() is None  # popped and disarmed
 
 
+@pytest.mark.parametrize("keyed_layers", [(6, 9), ()], ids=["keyed-in-decoder-layers", "keyed-everywhere"])
+def test_keyed_records_are_taught_in_layers_of_their_own(corpus, monkeypatch, keyed_layers) -> None:  # type: ignore[no-untyped-def]
+    """`keyed_layers`: a question whose records are keyed by a code is taught in those layers
+    (empty: every layer with entries), the others in `layers`; a layer teaches the questions of
+    both kinds it is named for, and the loss is the mean over the layers that taught any."""
+    model = tiny_model()
+    spec = ModelSpec.from_config(model.config)
+    ids, rows = lookup_rows(corpus)
+    rows = (tuple(dataclasses.replace(e, keyed=False) for e in rows[0]), rows[1])  # a chain's, a lookup's
+    captured = {}
+    real = attention_v41.joint_attention
+    order = iter([i for i, r in enumerate(model.config.compress_ratios) if r])
+
+    def capture(q, win_keys, step, w, sinks, entries=None, ratio=0, selection=None, ring_first=None):  # type: ignore[no-untyped-def]
+        if entries is not None and q.shape[1] == LENGTH:
+            captured[next(order)] = (q.detach().float(), entries.detach().float(), ratio, step.positions)
+        return real(q, win_keys, step, w, sinks, entries, ratio, selection, ring_first)
+
+    monkeypatch.setattr(attention_v41, "joint_attention", capture)
+    hooks = EvidenceAttention(model)
+    first, layers = hooks.layer_ids[0], (hooks.layer_ids[0], 9)
+    hooks.arm(rows, LENGTH, True, 4, layers, keyed_layers)
+    path_losses(model, spec, ids, torch.ones_like(ids, dtype=torch.float32), LENGTH // 2, 0)
+    got = hooks.pop()
+    hooks.remove()
+    expected = []
+    for i, c in captured.items():
+        taught = (rows[0] if i in layers else (), rows[1] if not keyed_layers or i in keyed_layers else ())
+        if any(taught):
+            expected.append(float(_reference([c], taught, True, 4)))
+    assert len(expected) == (3 if keyed_layers else len(hooks.layer_ids))
+    assert first in captured and first not in keyed_layers
+    assert got is not None and float(got.detach()) == pytest.approx(float(np.mean(expected)), rel=1e-5)
+
+
 def test_naming_a_layer_without_entries_is_an_error() -> None:
     hooks = EvidenceAttention(tiny_model())
     with pytest.raises(ValueError, match=r"evidence layers \[0, 1\] read no compressed entries"):
@@ -110,6 +145,8 @@ def test_naming_a_layer_without_entries_is_an_error() -> None:
     hooks.remove()
     with pytest.raises(ValueError, match="evidence_layers are layer indices"):
         Phase("base", 4, LENGTH, 2, Mixture(lookup=1.0), evidence_loss=1.0, evidence_layers=(-1,))
+    with pytest.raises(ValueError, match="evidence_layers are layer indices"):
+        Phase("base", 4, LENGTH, 2, Mixture(lookup=1.0), evidence_loss=1.0, evidence_keyed_layers=(-1,))
 
 
 def test_the_loss_trains_queries_and_the_compressor_and_falls(corpus) -> None:  # type: ignore[no-untyped-def]
