@@ -148,8 +148,9 @@ class Phase:
     code B); `evidence_layers`: the layers it teaches
     (empty: every layer that reads compressed entries); `evidence_keyed_layers`: the layers it
     teaches on the questions whose records are keyed by a code (`lookup`, `multihop`, `recall`
-    records `A -> B`), the other questions keeping `evidence_layers` (None: `evidence_layers`
-    for all; empty: every layer that reads compressed entries); `evidence_clip`: 0, its gradient joins the
+    records `A -> B`), the other questions (a chain's statements, a traced answer's counts)
+    keeping `evidence_layers` (None: `evidence_layers` for all; empty: every layer that reads
+    compressed entries); `evidence_clip`: 0, its gradient joins the
     rest under the one `Recipe.grad_clip`; > 0, it is clipped apart to this norm and added to the
     rest clipped to `Recipe.grad_clip` (see :mod:`replaykv.train.step`). `record_keys`: the weight
     of the record-key loss on the same rows' records (0: off; see :mod:`replaykv.train.keys`);
