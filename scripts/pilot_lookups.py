@@ -6,7 +6,8 @@ where the recipe's task phase (at its final rate) has not?
         --out /tmp/pilot --steps 120 --lrs 2e-4,1e-3 --seq-len 512 --batch 8 --probe-lengths 512,1024
 
 Each arm starts from the same weights with fresh AdamW moments, warms up over `--warmup` steps
-and keeps its rate (no decay), trains `--steps` steps of `--batch` × `--seq-len` rows of the
+and keeps its rate (no decay): a continuation stage of the `small` recipe (`Recipe.continued`), so
+an arm worth keeping goes into `recipes.SMALL_CONTINUATIONS` as the same run; it trains `--steps` steps of `--batch` × `--seq-len` rows of the
 mixture given by `--mixture` (the recipe's row kinds and weights), with the `small` recipe's
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
 replaykv.train.evidence at that weight, `--evidence-contrast` its contrastive form,
@@ -37,7 +38,7 @@ import torch
 from replaykv.model.checkpoint import load_model
 from replaykv.train.data import load_corpus
 from replaykv.train.loop import train
-from replaykv.train.recipe_spec import COPY_ALPHABET_NAMES, Mixture, Phase, Recipe
+from replaykv.train.recipe_spec import COPY_ALPHABET_NAMES, Continuation, Mixture, Phase, Recipe
 from replaykv.train.recipes import TASK_ANSWER_WEIGHT, small
 from replaykv.train.state import STATE
 
@@ -82,8 +83,9 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         record_keys=args.record_keys,
         record_key_layers=tuple(int(x) for x in args.record_key_layers.split(",") if x),
     )
+    arm = replace(base, continuations=(Continuation(phase, lr, args.seed, args.warmup),)).continued(0)
     return replace(
-        base,
+        arm,
         name=(
             f"lookup-pilot-lr{lr:g}-segment{mixture.lookup_segment}-evidence{args.evidence_loss:g}"
             + ("-contrast" if args.evidence_contrast else "")
@@ -92,20 +94,7 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
             + (f"-clip{args.evidence_clip:g}" if args.evidence_clip else "")
             + (f"-keys{args.record_keys:g}" if args.record_keys else "")
         ),
-        phases=(phase,),
-        lr=lr,
-        min_lr=lr,
-        warmup=args.warmup,
-        decay_end=None,
-        stages=(),
-        quick_eval=None,
-        final_eval=None,
-        bar=None,
-        init_from="small",
-        ship_as=None,
         checkpoint_every=10**9,
-        eval_every=0,
-        seed=args.seed,
     )
 
 

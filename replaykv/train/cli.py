@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         reexec_keeping_freed_memory()
     import torch
 
+    from replaykv.train.continuation import in_continuations, train_continuations
     from replaykv.train.loop import evaluate_only, train
 
     if args.threads:
@@ -62,22 +63,38 @@ def main(argv: list[str] | None = None) -> int:
             evaluate_only(recipe, args.out, args.device, args.init)
             print(f"wrote {args.out}/metrics.json and MODEL_CARD.md")
             return 0
-        result = train(
-            recipe,
-            args.out,
-            resume=args.resume,
-            device=args.device,
-            max_steps=args.steps,
-            init=args.init,
-            progress=not args.no_progress,
-            micro_batch=args.micro_batch,
-            stages=args.stages,
-            from_stage=args.from_stage,
-            ship=args.ship,
-            kernels=args.kernels,
-            precision=args.precision,
-            shard_bytes=args.shard_size,
-        )
+        if args.resume and in_continuations(recipe, args.out, args.from_stage):
+            if args.steps is not None:
+                return usage_error(f"--steps: {recipe.name}'s continuation stages run whole (use --stages)")
+            result = train_continuations(
+                recipe,
+                args.out,
+                stages=args.stages,
+                from_stage=args.from_stage,
+                ship=args.ship,
+                device=args.device,
+                progress=not args.no_progress,
+                kernels=args.kernels,
+                precision=args.precision,
+                shard_bytes=args.shard_size,
+            )
+        else:
+            result = train(
+                recipe,
+                args.out,
+                resume=args.resume,
+                device=args.device,
+                max_steps=args.steps,
+                init=args.init,
+                progress=not args.no_progress,
+                micro_batch=args.micro_batch,
+                stages=args.stages,
+                from_stage=args.from_stage,
+                ship=args.ship,
+                kernels=args.kernels,
+                precision=args.precision,
+                shard_bytes=args.shard_size,
+            )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,8 +4,11 @@ recipes are in :mod:`replaykv.train.recipes`).
 
 A recipe is a list of phases (data shape, mixture, which forward paths carry loss) under one
 learning-rate schedule (linear warmup, cosine to `min_lr`), plus the optimiser,
-the auxiliary losses, and the held-out evaluation the model card reports. Not for: running
-anything (see :mod:`replaykv.train.loop`).
+the auxiliary losses, and the held-out evaluation the model card reports (its specs in
+:mod:`replaykv.train.eval_spec`). After its own stages a recipe may go on in continuation
+stages (`Continuation`): each one a phase of its own, run from the previous stage's checkpoint
+as a one-phase recipe (`Recipe.continued`). Not for: running anything (see
+:mod:`replaykv.train.loop` and :mod:`replaykv.train.continuation`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,19 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+
+from replaykv.train.eval_spec import BarSpec, EvalSpec
+
+__all__ = [
+    "COPY_ALPHABET_NAMES",
+    "BarSpec",
+    "Continuation",
+    "EvalSpec",
+    "Mixture",
+    "Paths",
+    "Phase",
+    "Recipe",
+]
 
 # `Mixture.copy_alphabet`'s choices: the keys of replaykv.train.rows.COPY_ALPHABETS.
 COPY_ALPHABET_NAMES = ("codes", "letters", "lower")
@@ -233,55 +249,26 @@ class Phase:
 
 
 @dataclass(frozen=True)
-class EvalSpec:
-    """Held-out evaluation: bits per byte on `text_sequences` windows of `text_len` bytes, and
-    per-task exact match on prompts of `prompt_len` tokens (passkey: `passkey_per_depth` cases at
-    each depth; other tasks `cases`), on the full path and with bounded replay at cut points
-    `offsets` tokens after the evidence (empty: full path only)."""
+class Continuation:
+    """A stage after a recipe's own (`Recipe.continuations`): `phase`, trained from the previous
+    stage's checkpoint (its bf16 export, router biases as exported) with fresh AdamW moments, the
+    rate warmed up linearly over `warmup` steps to `lr` and kept there, its rows drawn with
+    `seed` from the phase's step 0 (a seed of its own: rows the earlier stages did not read). A
+    machine with no state thus runs exactly what a machine with the previous stage's state
+    runs: a continuation stage always starts cold. `seed` also seeds torch's generator."""
 
-    prompt_len: int
-    cases: int
-    passkey_depths: tuple[float, ...]
-    passkey_per_depth: int
-    offsets: tuple[int, ...]
-    text_sequences: int
-    text_len: int
-    batch: int = 4
-    seed: int = 99991
+    phase: Phase
+    lr: float
+    seed: int
+    warmup: int = 10
 
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class BarSpec:
-    """Lengths of each rung, the pass-key depths, cases per cell and the bounded-replay offsets.
-    `tail_depths`: the key's evidence ends this many tokens before the prompt's end, each given
-    as (label, tokens); a tokens value above W puts it before the question's window.
-    `trace_hops`: the multi-hop cell's answers name every code reached (`2: B (1) -> C (0)`, as rows of
-    `Mixture.trace_hops` teach), scored by exact match of the whole answer; its chance stays
-    the last code's. `trace_chains`: the chain cell's answers write the lines behind the value
-    (`q = y = x = 123`, `Mixture.trace_chains`), the same way."""
-
-    rung1_lengths: tuple[int, ...] = (1024, 2048)
-    rung2_lengths: tuple[int, ...] = (4096,)
-    extra_lengths: tuple[int, ...] = ()  # measured, not part of a rung (8K, 16K)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
-    tail_depths: tuple[tuple[str, int], ...] = (("before last W", 140), ("inside last W", 60))
-    cases: int = 40
-    offsets: tuple[int, ...] = (0, 128)
-    pass_rate: float = 0.95
-    batch: int = 4
-    seed: int = 77773
-    trace_hops: bool = False
-    trace_chains: bool = False
-
-    def digest(self) -> str:
-        fields = asdict(self)
-        for name in ("trace_hops", "trace_chains"):  # a bar without them keeps its earlier digest
-            if not fields[name]:
-                del fields[name]
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"continuation {self.phase.name}: lr must be positive")
+        if not 0 <= self.warmup < self.phase.steps:
+            raise ValueError(f"continuation {self.phase.name}: warmup must be shorter than the phase")
+        if self.phase.lr is not None:
+            raise ValueError(f"continuation {self.phase.name}: its rate is `lr`, not Phase.lr")
 
 
 @dataclass(frozen=True)
@@ -333,6 +320,9 @@ class Recipe:
     decay_end: int | None = None
     # Package directory (under replaykv/weights/) that this recipe's stage checkpoints go to.
     ship_as: str | None = None
+    # Stages after the recipe's own, each run as a recipe of its own (`continued`) from the
+    # previous stage's checkpoint; stage numbers go on from the last of `stage_ends`.
+    continuations: tuple[Continuation, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -352,6 +342,41 @@ class Recipe:
             raise ValueError("rewarmup must not be negative")
         if self.decay_end is not None and not self.decay_end > self.warmup:
             raise ValueError("decay_end must lie after the warmup")
+
+    @property
+    def stage_count(self) -> int:
+        """Stages in all: the recipe's own and its continuations."""
+        return len(self.stage_ends) + len(self.continuations)
+
+    @property
+    def final_step(self) -> int:
+        """The global step at the end of the last stage, continuations included."""
+        return self.total_steps + sum(c.phase.steps for c in self.continuations)
+
+    def continued(self, index: int) -> Recipe:
+        """Continuation `index` (0-based; stage ``len(stage_ends) + index + 1``) as a one-phase
+        recipe of its own: this recipe's optimiser, losses and settings, the continuation's
+        phase, rate, warmup and seed, no decay, no evaluation, bar or package directory of its
+        own. `replaykv.train.loop.train` runs it from the previous stage's checkpoint (`init`)."""
+        c = self.continuations[index]
+        return replace(
+            self,
+            name=f"{self.name}-stage{len(self.stage_ends) + index + 1}",
+            phases=(c.phase,),
+            lr=c.lr,
+            min_lr=c.lr,
+            warmup=c.warmup,
+            decay_end=None,
+            stages=(),
+            quick_eval=None,
+            final_eval=None,
+            bar=None,
+            init_from=self.name,
+            ship_as=None,
+            eval_every=0,
+            seed=c.seed,
+            continuations=(),
+        )
 
     @property
     def stage_ends(self) -> tuple[int, ...]:
@@ -409,7 +434,9 @@ class Recipe:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
 
     def digest(self) -> str:
+        """The recipe's own stages (a continuation stage records `continued(i).digest()`)."""
         fields = asdict(self)
+        del fields["continuations"]
         for phase in fields["phases"]:  # a phase without keyed layers keeps its earlier digest
             if phase["evidence_keyed_layers"] is None:
                 del phase["evidence_keyed_layers"]

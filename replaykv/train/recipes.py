@@ -7,11 +7,13 @@ the numbers lives here or in the types of :mod:`replaykv.train.recipe_spec` (re-
 
 from __future__ import annotations
 
-from replaykv.train.recipe_spec import BarSpec, EvalSpec, Mixture, Paths, Phase, Recipe
+from replaykv.train.recipe_spec import BarSpec, Continuation, EvalSpec, Mixture, Paths, Phase, Recipe
+from replaykv.train.recipes_continued import SMALL_CONTINUATIONS
 
 __all__ = [
     "RECIPES",
     "BarSpec",
+    "Continuation",
     "EvalSpec",
     "Mixture",
     "Paths",
@@ -164,6 +166,8 @@ def small() -> Recipe:
     6-8    450, 300 and 300 mixture                            8 × 1,024 / 4 × 2,048 /
                                                                2 × 4,096 in turn
     9-14   300 each of the task mixture at `min_lr`            the same in turn
+    15-22  150-800 each, one continuation phase apiece         8 × 512, then with
+           (:mod:`replaykv.train.recipes_continued`)           4 × 1,024 and 2 × 2,048
     =====  ==================================================  ====================
 
     Rung 1 (pass keys at every depth of 1K and 2K contexts) is within reach after stage 4, rung 2
@@ -214,6 +218,7 @@ def small() -> Recipe:
         stages=SMALL_STAGES,
         ship_as="small",
         bar=BarSpec(extra_lengths=(8192, 16384)),
+        continuations=SMALL_CONTINUATIONS,
     )
 
 

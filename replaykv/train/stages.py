@@ -86,10 +86,17 @@ def write_stage(
     if tmp.exists():
         shutil.rmtree(tmp)
     save_export(model, tmp, shard_bytes)
+    return install_stage(tmp, directory, recipe, info)
+
+
+def install_stage(tmp: Path, directory: Path, recipe: Recipe, info: dict[str, Any]) -> dict[str, Any]:
+    """Write stage.json (the recipe's name and digest, its stage count, torch, then `info`) and an
+    unscored card into `tmp`, which holds an export, and rename it to `directory` in place of
+    the checkpoint there; returns the stage.json record."""
     record = {
         "recipe": recipe.name,
         "recipe_digest": recipe.digest(),
-        "stages": len(recipe.stage_ends),
+        "stages": recipe.stage_count,
         "torch": torch.__version__,
         **info,
     }
@@ -154,7 +161,9 @@ def cold_config(recipe: Recipe, directory: Path) -> Any:
     }
     if changed:
         text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
-        print(f"note: {directory}'s config differs from preset {recipe.preset!r}; training with the preset's: {text}")
+        print(
+            f"note: {directory}'s config differs from preset {recipe.preset!r}; training with the preset's: {text}"
+        )
     return preset
 
 
@@ -195,24 +204,30 @@ def evaluate_stage(
     return result
 
 
-def stage_card(
-    recipe: Recipe, info: dict[str, Any], result: dict[str, Any] | None, table: list[str]
-) -> str:
+def stage_card(recipe: Recipe, info: dict[str, Any], result: dict[str, Any] | None, table: list[str]) -> str:
     """MODEL_CARD.md of a stage checkpoint: what it is, how far training got, the bar's table
     (`result` None: not scored yet)."""
     stage_times = ", ".join(
-        f"stage {k}: {v / 60:.0f} min" for k, v in sorted(info.get("stage_seconds", {}).items(), key=lambda kv: int(kv[0]))
+        f"stage {k}: {v / 60:.0f} min"
+        for k, v in sorted(info.get("stage_seconds", {}).items(), key=lambda kv: int(kv[0]))
     )
     lines = [
         f"# replaykv {recipe.preset}: recipe `{recipe.name}`, stage {info['stage']} of {info['stages']}",
         "",
         f"A DeepSeek-V4.1-shaped byte-level model trained by `replaykv train --recipe {recipe.name}` "
-        f"(digest `{info.get('recipe_digest')}`) to step {info['step']:,} of {recipe.total_steps:,} "
+        f"(digest `{info.get('recipe_digest')}`) to step {info['step']:,} of {recipe.final_step:,} "
         f"({info['tokens']:,} tokens; sum of step times {info['seconds'] / 3600:.2f} h: {stage_times}; "
         f"torch {info.get('torch', '?')}). Mean training loss over the stage's last 20 steps: "
         f"{info.get('final_loss', float('nan')):.3f}.",
         "",
     ]
+    if info.get("continuation"):
+        lines += [
+            f"A continuation stage: recipe `{info['continuation']}` (digest "
+            f"`{info.get('continuation_digest')}`), one phase trained from stage {info['stage'] - 1}'s "
+            "checkpoint with fresh optimiser moments.",
+            "",
+        ]
     if result is None:
         lines += [
             "Not scored on the shipping bar yet (`replaykv train --recipe "

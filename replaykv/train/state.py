@@ -50,6 +50,15 @@ def save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: d
     os.replace(tmp, path)
 
 
+def saved_progress(path: Path) -> tuple[str, int] | None:
+    """(recipe name, step) of the state saved at `path`, read without loading its tensors; None
+    when there is none."""
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return str(state["recipe"]), int(state["step"])
+
+
 class StopOnSigterm:
     """While installed (main thread only), SIGTERM sets ``requested`` instead of killing, so the
     loop can save its state at the end of the current step and return."""

@@ -1,0 +1,162 @@
+"""The continuation stages of `small` (stages 15 on; :class:`replaykv.train.recipe_spec.Continuation`):
+after its task phase, each stage is one phase at a constant 5e-4 from the previous stage's
+checkpoint, on a mixture aimed at what the bar still missed (why each, and what it scored, in
+docs/training.md, "Continuation stages"). Each was first run as an arm of
+scripts/pilot_lookups.py, which builds the same one-phase recipe (`Recipe.continued`), with the
+seed given here. Not for: the recipe's own stages (:mod:`replaykv.train.recipes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replaykv.train.recipe_spec import Continuation, Mixture, Phase
+
+# Every continuation's settings that do not change from stage to stage.
+CONTINUATION_LR = 5e-4
+CONTINUATION_WARMUP = 10
+# The rows of the first continuations (8 × 512 a step), then short and long rows in turn.
+SHORT_ROWS: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8),)
+TWO_SHAPES: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8), (1024, 4, 4))
+THREE_SHAPES: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8), (1024, 4, 4), (2048, 2, 2))
+# The evidence-attention loss's rows: lookups in programs, latest assignments, chain statements,
+# then the traced multi-hop answers' records and recall blocks as well.
+STATEMENT_ROWS = ("program", "recency", "chain")
+KEYED_ROWS = ("multihop", "recall", "program", "recency", "chain")
+
+
+def _stage(
+    name: str,
+    steps: int,
+    seed: int,
+    mixture: Mixture,
+    cycle: tuple[tuple[int, int, int | None], ...] = SHORT_ROWS,
+    evidence_rows: tuple[str, ...] = STATEMENT_ROWS,
+    evidence_layers: tuple[int, ...] = (3,),
+    evidence: bool = True,
+) -> Continuation:
+    """A continuation with the task phase's answer and copy weights (50 and 5), prompts from a
+    quarter of the row, top-512 selection and, with `evidence`, the contrastive evidence loss
+    at weight 5 on the last 4 bytes of each record (the value or code an answer copies)."""
+    phase = Phase(
+        name,
+        steps=steps,
+        seq_len=cycle[0][0],
+        batch=cycle[0][1],
+        cycle=cycle,
+        mixture=mixture,
+        answer_weight=50.0,
+        copy_weight=5.0,
+        prompt_from=0.25,
+        index_topk=512,
+        evidence_loss=5.0 if evidence else 0.0,
+        evidence_contrast=evidence,
+        evidence_rows=evidence_rows if evidence else ("lookup",),
+        evidence_tail=4 if evidence else 0,
+        evidence_layers=evidence_layers if evidence else (),
+    )
+    return Continuation(phase, CONTINUATION_LR, seed, CONTINUATION_WARMUP)
+
+
+def _mix(alphabet: str = "letters", hops: bool = False, chains: bool = False, **weights: float) -> Mixture:
+    """A mixture of the named row kinds alone (the others at 0)."""
+    kinds: dict[str, Any] = {k: 0.0 for k in Mixture().weights}
+    kinds.update(weights)
+    return Mixture(**kinds, trace_hops=hops, trace_chains=chains, copy_alphabet=alphabet)
+
+
+SMALL_CONTINUATIONS: tuple[Continuation, ...] = (
+    # 15: repeat and copy rows in both alphabets (stage 14 copied lower case at chance)
+    _stage(
+        "lower_repeat",
+        600,
+        2023,
+        _mix(repeat=0.35, copy=0.25, passkey=0.15, multihop=0.1, text=0.15),
+        evidence=False,
+    ),
+    # 16: chains answered with the lines behind the value, evidence on the statements
+    _stage(
+        "lower_chains",
+        800,
+        2024,
+        _mix(
+            "lower",
+            chains=True,
+            repeat=0.25,
+            copy=0.1,
+            chain=0.2,
+            recency=0.15,
+            program=0.1,
+            passkey=0.1,
+            text=0.1,
+        ),
+        evidence_layers=(),
+    ),
+    # 17-20: the evidence loss in layer 3 alone, chains weighted up, then 1K rows beside 512
+    _stage(
+        "layer3_w5",
+        150,
+        2025,
+        _mix("lower", chains=True, chain=0.3, recency=0.2, program=0.15, copy=0.1, passkey=0.1, text=0.15),
+    ),
+    _stage(
+        "chain_focus",
+        400,
+        2027,
+        _mix("lower", chains=True, chain=0.35, recency=0.15, program=0.1, copy=0.05, passkey=0.15, text=0.2),
+    ),
+    _stage(
+        "chain_focus2",
+        600,
+        2028,
+        _mix("lower", chains=True, chain=0.35, recency=0.15, program=0.1, copy=0.1, passkey=0.15, text=0.15),
+    ),
+    _stage(
+        "chain_focus3",
+        450,
+        2029,
+        _mix("lower", chains=True, chain=0.35, recency=0.15, program=0.1, copy=0.1, passkey=0.15, text=0.15),
+        cycle=TWO_SHAPES,
+    ),
+    # 21: traced multi-hop and recall rows beside the chains, rows up to 2K
+    _stage(
+        "chain_hops",
+        700,
+        2030,
+        _mix(
+            "lower",
+            hops=True,
+            chains=True,
+            chain=0.25,
+            recency=0.1,
+            program=0.05,
+            copy=0.05,
+            multihop=0.2,
+            recall=0.05,
+            passkey=0.15,
+            text=0.15,
+        ),
+        cycle=THREE_SHAPES,
+        evidence_rows=KEYED_ROWS,
+    ),
+    # 22: copy rows in both alphabets again (the codes' copy had worn off)
+    _stage(
+        "codes_back",
+        200,
+        2032,
+        _mix(
+            hops=True,
+            chains=True,
+            copy=0.15,
+            repeat=0.05,
+            multihop=0.25,
+            recall=0.05,
+            chain=0.2,
+            recency=0.05,
+            passkey=0.15,
+            text=0.1,
+        ),
+        cycle=THREE_SHAPES,
+        evidence_rows=KEYED_ROWS,
+    ),
+)
