@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
 
 from replaykv.train.data import Corpus
 from replaykv.train.loop import TrainResult, train
@@ -120,6 +121,9 @@ def train_continuations(
         sub = recipe.continued(number - own - 1)
         work = out / CONTINUE_DIR / str(number)
         resume = (work / STATE).exists()
+        # a fresh compile, as on a machine that runs this stage alone: the compiled kernels'
+        # variants depend on the row shapes that came before
+        torch._dynamo.reset()
         run = train(
             sub,
             work,

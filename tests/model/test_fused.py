@@ -53,7 +53,13 @@ def test_a_fused_site_equals_the_eager_mixes_collapse_norm_and_expand_with_their
 
     def loss(parts: tuple[torch.Tensor, ...], new: torch.Tensor) -> torch.Tensor:
         pre, post, comb, x = parts
-        return (pre * weights[0]).sum() + (comb * weights[1]).sum() + x.pow(2).sum() + new.pow(3).sum() + post.sum()
+        return (
+            (pre * weights[0]).sum()
+            + (comb * weights[1]).sum()
+            + x.pow(2).sum()
+            + new.pow(3).sum()
+            + post.sum()
+        )
 
     params = [streams, out, hc.fn, hc.base, hc.scale, norm.weight]
     pre, post, comb = hc.mixes(streams)
@@ -175,6 +181,12 @@ def test_step_settings_resolve_and_reject_unknown_names() -> None:
         choose_precision("fp8", cpu)
     with pytest.raises(ValueError, match="kernels"):
         StepSettings("triton", "float32")
+    assert not torch.are_deterministic_algorithms_enabled()
     with StepSettings("fused", "bf16").applied(cpu):
         assert fused.enabled() and torch.is_autocast_enabled("cpu")
+        assert (
+            torch.are_deterministic_algorithms_enabled()
+            and torch.is_deterministic_algorithms_warn_only_enabled()
+        )
     assert not fused.enabled() and not torch.is_autocast_enabled("cpu")
+    assert not torch.are_deterministic_algorithms_enabled()  # the earlier setting back
