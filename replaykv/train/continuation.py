@@ -9,6 +9,8 @@ its export replaces OUT/stage/ under a stage record of the whole recipe: stage S
 `Recipe.stage_count`, the global step, tokens and step times of every stage so far, the
 continuation's name and digest. An interrupted continuation resumes exactly from
 OUT/continue/S/train_state/ on the same machine; on another it starts again from stage S - 1.
+A run of the same one-phase recipe made elsewhere (a pilot arm of scripts/pilot_lookups.py) can
+be installed as stage S instead (`adopt_run`) once its settings and starting weights are checked.
 
 Not for: the recipe's own stages (:mod:`replaykv.train.loop`), scoring and shipping a stage
 (:mod:`replaykv.train.stages`).
@@ -16,17 +18,20 @@ Not for: the recipe's own stages (:mod:`replaykv.train.loop`), scoring and shipp
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch._dynamo
 
+from replaykv.model.checkpoint import weight_files
 from replaykv.train.data import Corpus
 from replaykv.train.loop import TrainResult, train
-from replaykv.train.recipe_spec import Recipe
+from replaykv.train.recipe_spec import Mixture, Paths, Phase, Recipe
 from replaykv.train.setup import fresh_model, set_index_topk
 from replaykv.train.stages import (
     STAGE_DIR,
@@ -193,3 +198,87 @@ def _ended_stage(sub: Recipe, work: Path, shard_bytes: int | None) -> dict[str, 
     return write_stage(
         model, work / STAGE_DIR, sub, {"stage": 1, **meta, "final_loss": float("nan")}, shard_bytes
     )
+
+
+def adopt_run(recipe: Recipe, out: str | Path, run: str | Path, started_from: str | Path) -> dict[str, Any]:
+    """Install the finished run in `run` (its recipe.json and stage/ checkpoint, as
+    :func:`replaykv.train.loop.train` writes them) as the next stage of `recipe` in OUT/stage/,
+    as `train_continuations` would have: only if its recipe equals that continuation's
+    (`Recipe.continued`) in every field but its name and save interval (a field its recipe.json
+    lacks counting as the default), it ran every step, and the weights it started from
+    (`started_from`) are the furthest stage checkpoint's, byte for byte. Returns the record."""
+    out, run = Path(out), Path(run)
+    own = len(recipe.stage_ends)
+    point = furthest_stage(recipe, out)
+    if point is None or not own <= point.stage < recipe.stage_count:
+        raise ValueError(
+            f"recipe {recipe.name!r}: no continuation stage follows the furthest stage checkpoint"
+        )
+    number = point.stage + 1
+    sub = recipe.continued(number - own - 1)
+    differ = _recipe_differences(asdict(sub), json.loads((run / "recipe.json").read_text()))
+    if differ:
+        raise ValueError(
+            f"{run} ran another recipe than stage {number} ({sub.name}): {', '.join(differ)} differ"
+        )
+    ended = read_stage(run / STAGE_DIR)
+    if ended is None or int(ended["step"]) != sub.total_steps:
+        raise ValueError(f"{run} holds no checkpoint of its last step ({sub.total_steps})")
+    if _weights_digest(Path(started_from)) != _weights_digest(point.directory):
+        raise ValueError(f"{started_from}'s weights are not those of stage {point.stage} ({point.directory})")
+    info = point.info
+    record = {
+        "stage": number,
+        "step": int(info["step"]) + sub.total_steps,
+        "tokens": int(info["tokens"]) + int(ended["tokens"]),
+        "seconds": float(info["seconds"]) + float(ended["seconds"]),
+        "stage_seconds": {**info.get("stage_seconds", {}), str(number): float(ended["seconds"])},
+        "final_loss": ended["final_loss"],
+        "continuation": sub.name,
+        "continuation_digest": sub.digest(),
+        "adopted_from": str(run),
+    }
+    tmp = out / (STAGE_DIR + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(run / STAGE_DIR, tmp)
+    return install_stage(tmp, out / STAGE_DIR, recipe, record)
+
+
+def _recipe_differences(want: Any, ran: Any, where: str = "") -> list[str]:
+    """Fields of `ran` (a recipe.json) that differ from `want` (asdict of a recipe), names and the
+    save interval aside; a field `ran` lacks must hold its dataclass default in `want`."""
+    if isinstance(want, dict) and isinstance(ran, dict):
+        differ = []
+        for key, value in want.items():
+            if key in ("name", "checkpoint_every"):
+                continue
+            if key not in ran:
+                if key not in _DEFAULTS or json.dumps(_DEFAULTS[key]) != json.dumps(value):
+                    differ.append(where + key)
+            else:
+                differ += _recipe_differences(value, ran[key], f"{where}{key}.")
+        return differ
+    if isinstance(want, (list, tuple)) and isinstance(ran, list) and len(want) == len(ran):
+        return [
+            d
+            for i, (a, b) in enumerate(zip(want, ran, strict=True))
+            for d in _recipe_differences(a, b, f"{where}{i}.")
+        ]
+    return [] if json.loads(json.dumps(want)) == ran else [where.rstrip(".")]
+
+
+# The defaults of every field a recipe.json holds, for fields added after it was written.
+_DEFAULTS: dict[str, Any] = {
+    name: f.default
+    for cls in (Recipe, Phase, Mixture, Paths)
+    for name, f in cls.__dataclass_fields__.items()
+    if f.default is not MISSING
+}
+
+
+def _weights_digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for f in weight_files(directory):
+        h.update(f.read_bytes())
+    return h.hexdigest()

@@ -1,7 +1,8 @@
 """Continuation stages: after a recipe's own stages, each continuation runs as a one-phase recipe
 from the previous stage's checkpoint, bit for bit the run a pilot of the same settings makes,
 the same on a machine that has only the previous stage's checkpoint; its checkpoint carries the
-whole recipe's stage record; `replaykv train --resume` goes on into them."""
+whole recipe's stage record; such a run made elsewhere installs as the stage only when its
+recipe and starting weights are the stage's; `replaykv train --resume` goes on into them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import shutil
 import pytest
 
 from replaykv.train import cli, loop, stages
-from replaykv.train.continuation import CONTINUE_DIR, furthest_stage, in_continuations, train_continuations
+from replaykv.train.continuation import (
+    CONTINUE_DIR,
+    adopt_run,
+    furthest_stage,
+    in_continuations,
+    train_continuations,
+)
 from replaykv.train.recipes import Continuation, Mixture, Phase, small, tiny
 
 
@@ -76,6 +83,18 @@ def test_a_continuation_stage_is_the_one_phase_run_from_the_stage_before(tmp_pat
         evaluate_at_end=False,
     )
     assert pilot.steps == 3 and _weights(tmp_path / "pilot" / "stage") == _weights(out / "stage")
+    # ... which, made elsewhere, installs as stage 3 once its recipe and start are checked.
+    adopted = tmp_path / "adopted"
+    shutil.copytree(own_end, adopted / "stage")
+    with pytest.raises(ValueError, match="weights are not those of stage 2"):
+        adopt_run(recipe, adopted, tmp_path / "pilot", out / "stage")
+    record = adopt_run(recipe, adopted, tmp_path / "pilot", own_end)
+    assert {k: record[k] for k in ("stage", "step", "tokens", "continuation")} == {
+        k: info[k] for k in ("stage", "step", "tokens", "continuation")
+    }
+    assert _weights(adopted / "stage") == _weights(out / "stage")
+    with pytest.raises(ValueError, match="another recipe than stage 4"):
+        adopt_run(recipe, adopted, tmp_path / "pilot", adopted / "stage")
     logged = [
         json.loads(line) for line in (out / CONTINUE_DIR / "3" / "train_log.jsonl").read_text().splitlines()
     ]
