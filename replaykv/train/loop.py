@@ -22,7 +22,9 @@ checkpoint: the weights in bf16 (router biases and mHC parameters in float32, as
 and stage.json (recipe, digest, stage, step, tokens, seconds per stage). `--resume` continues
 from OUT/train_state/ exactly when it is there; otherwise from a stage checkpoint (OUT/stage/,
 or the one committed under replaykv/weights/) with fresh AdamW moments and `Recipe.rewarmup`
-steps of re-warm-up: the data and the schedule continue where the stage ended.
+steps of re-warm-up: the data and the schedule continue where the stage ended. The stages after
+a recipe's own (`Recipe.continuations`) each run this loop as a one-phase recipe of their own
+(:mod:`replaykv.train.continuation`).
 
 Not for: the data (see :mod:`replaykv.train.data`), the forward paths (see
 :mod:`replaykv.train.paths`), a step's gradient and its budgets (:mod:`replaykv.train.step`),
