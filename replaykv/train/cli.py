@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from replaykv.cli_parser import usage_error
 from replaykv.train.cli_options import (
@@ -63,37 +64,24 @@ def main(argv: list[str] | None = None) -> int:
             evaluate_only(recipe, args.out, args.device, args.init)
             print(f"wrote {args.out}/metrics.json and MODEL_CARD.md")
             return 0
+        shared: dict[str, Any] = {
+            "stages": args.stages,
+            "from_stage": args.from_stage,
+            "ship": args.ship,
+            "device": args.device,
+            "progress": not args.no_progress,
+            "micro_batch": args.micro_batch,
+            "kernels": args.kernels,
+            "precision": args.precision,
+            "shard_bytes": args.shard_size,
+        }
         if args.resume and in_continuations(recipe, args.out, args.from_stage):
             if args.steps is not None:
                 return usage_error(f"--steps: {recipe.name}'s continuation stages run whole (use --stages)")
-            result = train_continuations(
-                recipe,
-                args.out,
-                stages=args.stages,
-                from_stage=args.from_stage,
-                ship=args.ship,
-                device=args.device,
-                progress=not args.no_progress,
-                kernels=args.kernels,
-                precision=args.precision,
-                shard_bytes=args.shard_size,
-            )
+            result = train_continuations(recipe, args.out, **shared)
         else:
             result = train(
-                recipe,
-                args.out,
-                resume=args.resume,
-                device=args.device,
-                max_steps=args.steps,
-                init=args.init,
-                progress=not args.no_progress,
-                micro_batch=args.micro_batch,
-                stages=args.stages,
-                from_stage=args.from_stage,
-                ship=args.ship,
-                kernels=args.kernels,
-                precision=args.precision,
-                shard_bytes=args.shard_size,
+                recipe, args.out, resume=args.resume, max_steps=args.steps, init=args.init, **shared
             )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,17 +20,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 from replaykv.train.eval_spec import BarSpec, EvalSpec
 
-__all__ = [
-    "COPY_ALPHABET_NAMES",
-    "BarSpec",
-    "Continuation",
-    "EvalSpec",
-    "Mixture",
-    "Paths",
-    "Phase",
-    "Recipe",
-]
-
 # `Mixture.copy_alphabet`'s choices: the keys of replaykv.train.rows.COPY_ALPHABETS.
 COPY_ALPHABET_NAMES = ("codes", "letters", "lower")
 

@@ -7,7 +7,8 @@ the numbers lives here or in the types of :mod:`replaykv.train.recipe_spec` (re-
 
 from __future__ import annotations
 
-from replaykv.train.recipe_spec import BarSpec, Continuation, EvalSpec, Mixture, Paths, Phase, Recipe
+from replaykv.train.eval_spec import BarSpec, EvalSpec
+from replaykv.train.recipe_spec import Continuation, Mixture, Paths, Phase, Recipe
 from replaykv.train.recipes_continued import SMALL_CONTINUATIONS
 
 __all__ = [
