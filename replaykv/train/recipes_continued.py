@@ -159,4 +159,23 @@ SMALL_CONTINUATIONS: tuple[Continuation, ...] = (
         cycle=THREE_SHAPES,
         evidence_rows=KEYED_ROWS,
     ),
+    # 23: pass-key rows up to a quarter (keys had fallen to 14 of 18), no recency rows
+    _stage(
+        "keys_back",
+        500,
+        2033,
+        _mix(
+            hops=True,
+            chains=True,
+            copy=0.12,
+            repeat=0.03,
+            multihop=0.25,
+            recall=0.05,
+            chain=0.2,
+            passkey=0.25,
+            text=0.1,
+        ),
+        cycle=THREE_SHAPES,
+        evidence_rows=KEYED_ROWS,
+    ),
 )
