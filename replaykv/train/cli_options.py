@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue from OUT/train_state/ (exact), else from the last stage checkpoint "
-        "(OUT/stage/, or the one committed in the package) with fresh optimiser moments",
+        "(OUT/stage/, or the one committed in the package) with fresh optimiser moments; after the "
+        "recipe's own stages, its continuation stages, each from the stage before (OUT/continue/S/)",
     )
     p.add_argument(
         "--stages", type=positive_int, default=None, help="stop after this many stage ends (default: all)"
@@ -45,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also copy each stage checkpoint into the package (replaykv/weights/<recipe's directory>/)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--steps", type=positive_int, default=None, help="stop after global step N (resume later)")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="stop after global step N (resume later; not in continuation stages)",
+    )
     p.add_argument(
         "--init", default=None, help="checkpoint to start from (the adapt recipe: the small export)"
     )
