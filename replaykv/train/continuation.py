@@ -119,7 +119,7 @@ def train_continuations(
             f"recipe {recipe.name!r}: its continuation stages start from stage {own}'s checkpoint, "
             f"and {out / STAGE_DIR} holds " + (f"stage {point.stage}" if point else "none")
         )
-    result: TrainResult | None = None
+    last: list[float] = []
     done = 0
     while point.stage < recipe.stage_count and (stages is None or done < stages):
         number = point.stage + 1
@@ -143,45 +143,53 @@ def train_continuations(
             micro_batch=micro_batch,
             corpus=corpus,
         )
-        info = point.info
-        result = TrainResult(
-            int(info["step"]) + run.steps,
-            int(info["tokens"]) + run.tokens,
-            float(info["seconds"]) + run.seconds,
-            run.losses,
-            out,
-            False,
-        )
         if run.steps < sub.total_steps:  # SIGTERM: the state is saved
-            return result
-        ended = _ended_stage(sub, work, shard_bytes)
-        record = {
-            "stage": number,
-            "step": result.steps,
-            "tokens": result.tokens,
-            "seconds": result.seconds,
-            "stage_seconds": {**info.get("stage_seconds", {}), str(number): run.seconds},
-            "final_loss": ended["final_loss"],
-            "continuation": sub.name,
-            "continuation_digest": sub.digest(),
-        }
-        tmp = out / (STAGE_DIR + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        shutil.copytree(work / STAGE_DIR, tmp)
-        install_stage(tmp, out / STAGE_DIR, recipe, record)
+            info = point.info
+            return TrainResult(
+                int(info["step"]) + run.steps,
+                int(info["tokens"]) + run.tokens,
+                float(info["seconds"]) + run.seconds,
+                run.losses,
+                out,
+                False,
+            )
+        record = _install_next(recipe, out, point, number, work, _ended_stage(sub, work, shard_bytes))
         if ship and shipped_dir(recipe) is not None:
             ship_stage(out / STAGE_DIR, shipped_dir(recipe))  # type: ignore[arg-type]
         print(
-            f"stage {number} of {recipe.name} ended at step {result.steps}: checkpoint in {out / STAGE_DIR}"
+            f"stage {number} of {recipe.name} ended at step {record['step']}: checkpoint in {out / STAGE_DIR}"
         )
-        point = StagePoint(out / STAGE_DIR, read_stage(out / STAGE_DIR) or record)
+        point = StagePoint(out / STAGE_DIR, record)
+        last = run.losses
         done += 1
-    if result is None:
-        return TrainResult(
-            int(point.info["step"]), int(point.info["tokens"]), float(point.info["seconds"]), [], out, False
-        )
-    return result
+    info = point.info
+    return TrainResult(int(info["step"]), int(info["tokens"]), float(info["seconds"]), last, out, False)
+
+
+def _install_next(
+    recipe: Recipe, out: Path, point: StagePoint, number: int, run: Path, ended: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """Install the checkpoint of the finished one-phase run in `run` (its own stage record
+    `ended`) in OUT/stage/ as stage `number`, the one after `point`, under the recipe's record:
+    the global step, tokens and seconds of every stage so far; returns that record."""
+    info = point.info
+    sub = recipe.continued(number - len(recipe.stage_ends) - 1)
+    record = {
+        "stage": number,
+        "step": int(info["step"]) + int(ended["step"]),
+        "tokens": int(info["tokens"]) + int(ended["tokens"]),
+        "seconds": float(info["seconds"]) + float(ended["seconds"]),
+        "stage_seconds": {**info.get("stage_seconds", {}), str(number): float(ended["seconds"])},
+        "final_loss": ended["final_loss"],
+        "continuation": sub.name,
+        "continuation_digest": sub.digest(),
+        **extra,
+    }
+    tmp = out / (STAGE_DIR + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(run / STAGE_DIR, tmp)
+    return install_stage(tmp, out / STAGE_DIR, recipe, record)
 
 
 def _ended_stage(sub: Recipe, work: Path, shard_bytes: int | None) -> dict[str, Any]:
@@ -226,23 +234,7 @@ def adopt_run(recipe: Recipe, out: str | Path, run: str | Path, started_from: st
         raise ValueError(f"{run} holds no checkpoint of its last step ({sub.total_steps})")
     if _weights_digest(Path(started_from)) != _weights_digest(point.directory):
         raise ValueError(f"{started_from}'s weights are not those of stage {point.stage} ({point.directory})")
-    info = point.info
-    record = {
-        "stage": number,
-        "step": int(info["step"]) + sub.total_steps,
-        "tokens": int(info["tokens"]) + int(ended["tokens"]),
-        "seconds": float(info["seconds"]) + float(ended["seconds"]),
-        "stage_seconds": {**info.get("stage_seconds", {}), str(number): float(ended["seconds"])},
-        "final_loss": ended["final_loss"],
-        "continuation": sub.name,
-        "continuation_digest": sub.digest(),
-        "adopted_from": str(run),
-    }
-    tmp = out / (STAGE_DIR + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(run / STAGE_DIR, tmp)
-    return install_stage(tmp, out / STAGE_DIR, recipe, record)
+    return _install_next(recipe, out, point, number, run, ended, adopted_from=str(run))
 
 
 def _recipe_differences(want: Any, ran: Any, where: str = "") -> list[str]:
