@@ -239,11 +239,16 @@ def adopt_run(recipe: Recipe, out: str | Path, run: str | Path, started_from: st
 
 def _recipe_differences(want: Any, ran: Any, where: str = "") -> list[str]:
     """Fields of `ran` (a recipe.json) that differ from `want` (asdict of a recipe), names and the
-    save interval aside; a field `ran` lacks must hold its dataclass default in `want`."""
+    save interval aside; a field `ran` lacks must hold its dataclass default in `want`. A phase
+    with a cycle of row shapes never uses its own seq_len, batch and micro_batch (`Phase.at`), so
+    where both cycles are given those three are not compared."""
     if isinstance(want, dict) and isinstance(ran, dict):
         differ = []
+        skip = {"name", "checkpoint_every"}
+        if want.get("cycle") and ran.get("cycle"):
+            skip |= {"seq_len", "batch", "micro_batch"}
         for key, value in want.items():
-            if key in ("name", "checkpoint_every"):
+            if key in skip:
                 continue
             if key not in ran:
                 if key not in _DEFAULTS or json.dumps(_DEFAULTS[key]) != json.dumps(value):

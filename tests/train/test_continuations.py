@@ -15,6 +15,7 @@ import pytest
 from replaykv.train import cli, loop, stages
 from replaykv.train.continuation import (
     CONTINUE_DIR,
+    _recipe_differences,
     adopt_run,
     furthest_stage,
     in_continuations,
@@ -154,3 +155,20 @@ def test_small_continues_after_its_own_stages_with_the_same_digest() -> None:
             None,
         )
     assert len({c.seed for c in recipe.continuations} | {recipe.seed}) == len(recipe.continuations) + 1
+
+
+def test_a_run_differs_from_a_stage_only_in_what_it_uses() -> None:
+    recipe = _recipe()
+    want = dataclasses.asdict(recipe.continued(1))
+    ran = json.loads(json.dumps(want))
+    ran["name"], ran["checkpoint_every"] = "pilot", 99
+    # with a cycle, the phase's own row shape is unused
+    ran["phases"][0].update(seq_len=512, batch=8, micro_batch=4)
+    assert _recipe_differences(want, ran) == []
+    ran["phases"][0]["cycle"][1][0] = 128
+    assert _recipe_differences(want, ran) == ["phases.0.cycle.1.0"]
+    plain = dataclasses.asdict(recipe.continued(0))
+    ran = json.loads(json.dumps(plain))
+    ran["phases"][0]["seq_len"] = 512
+    del ran["phases"][0]["answer_weight"]  # a field the run's recipe.json lacks holds its default
+    assert _recipe_differences(plain, ran) == ["phases.0.seq_len"]
