@@ -6,7 +6,7 @@ where the recipe's task phase (at its final rate) has not?
         --out /tmp/pilot --steps 120 --lrs 2e-4,1e-3 --seq-len 512 --batch 8 --probe-lengths 512,1024
 
 Each arm starts from the same weights with fresh AdamW moments, warms up over `--warmup` steps
-and keeps its rate (no decay): a continuation stage of the `small` recipe (`Recipe.continued`), so
+and keeps its rate (or, with `--min-lr`, cools down to it on a cosine): a continuation stage of the `small` recipe (`Recipe.continued`), so
 an arm worth keeping goes into `recipes.SMALL_CONTINUATIONS` as the same run; it trains `--steps` steps of `--batch` × `--seq-len` rows of the
 mixture given by `--mixture` (the recipe's row kinds and weights), with the `small` recipe's
 answer and copy weights (and, with `--evidence-loss`, the evidence-attention loss of
@@ -83,7 +83,9 @@ def pilot_recipe(args: argparse.Namespace, lr: float, mixture: Mixture) -> Recip
         record_keys=args.record_keys,
         record_key_layers=tuple(int(x) for x in args.record_key_layers.split(",") if x),
     )
-    arm = replace(base, continuations=(Continuation(phase, lr, args.seed, args.warmup),)).continued(0)
+    arm = replace(
+        base, continuations=(Continuation(phase, lr, args.seed, args.warmup, args.min_lr),)
+    ).continued(0)
     return replace(
         arm,
         name=(
@@ -105,6 +107,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--lrs", default="2e-4,1e-3", help="comma-separated learning rates, one arm each")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help="cosine from each arm's rate down to this one at the last step (a cool-down; default: no decay)",
+    )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument(

@@ -241,7 +241,8 @@ class Phase:
 class Continuation:
     """A stage after a recipe's own (`Recipe.continuations`): `phase`, trained from the previous
     stage's checkpoint (its bf16 export, router biases as exported) with fresh AdamW moments, the
-    rate warmed up linearly over `warmup` steps to `lr` and kept there, its rows drawn with
+    rate warmed up linearly over `warmup` steps to `lr` and kept there (with `min_lr`: then a
+    cosine down to `min_lr` at the phase's last step, a cool-down), its rows drawn with
     `seed` from the phase's step 0 (a seed of its own: rows the earlier stages did not read). A
     machine with no state thus runs exactly what a machine with the previous stage's state
     runs: a continuation stage always starts cold. `seed` also seeds torch's generator."""
@@ -250,10 +251,13 @@ class Continuation:
     lr: float
     seed: int
     warmup: int = 10
+    min_lr: float | None = None
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"continuation {self.phase.name}: lr must be positive")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"continuation {self.phase.name}: min_lr must lie in [0, lr]")
         if not 0 <= self.warmup < self.phase.steps:
             raise ValueError(f"continuation {self.phase.name}: warmup must be shorter than the phase")
         if self.phase.lr is not None:
@@ -345,7 +349,7 @@ class Recipe:
     def continued(self, index: int) -> Recipe:
         """Continuation `index` (0-based; stage ``len(stage_ends) + index + 1``) as a one-phase
         recipe of its own: this recipe's optimiser, losses and settings, the continuation's
-        phase, rate, warmup and seed, no decay, no evaluation, bar or package directory of its
+        phase, rate, warmup, seed and decay (none without `min_lr`), no evaluation, bar or package directory of its
         own. `replaykv.train.loop.train` runs it from the previous stage's checkpoint (`init`)."""
         c = self.continuations[index]
         return replace(
@@ -353,7 +357,7 @@ class Recipe:
             name=f"{self.name}-stage{len(self.stage_ends) + index + 1}",
             phases=(c.phase,),
             lr=c.lr,
-            min_lr=c.lr,
+            min_lr=c.lr if c.min_lr is None else c.min_lr,
             warmup=c.warmup,
             decay_end=None,
             stages=(),

@@ -7,6 +7,7 @@ recipe and starting weights are the stage's; `replaykv train --resume` goes on i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 
@@ -137,6 +138,18 @@ def test_a_continuation_starts_from_the_last_own_stage_or_later() -> None:
         Continuation(Phase("x", 3, 64, 2), lr=1e-3, seed=1, warmup=3)
     with pytest.raises(ValueError, match="its rate is `lr`"):
         Continuation(Phase("x", 3, 64, 2, lr=1e-3), lr=1e-3, seed=1, warmup=1)
+    with pytest.raises(ValueError, match=r"min_lr must lie in \[0, lr\]"):
+        Continuation(Phase("x", 3, 64, 2), lr=1e-3, seed=1, warmup=1, min_lr=2e-3)
+
+
+def test_a_continuation_keeps_its_rate_or_cools_down_to_min_lr() -> None:
+    phase = Phase("x", 20, 64, 2)
+    kept = dataclasses.replace(_recipe(), continuations=(Continuation(phase, 1e-3, 1, 4),)).continued(0)
+    assert [kept.lr_at(k) for k in (4, 10, 19)] == [1e-3, 1e-3, 1e-3]
+    cool = dataclasses.replace(_recipe(), continuations=(Continuation(phase, 1e-3, 1, 4, 1e-4),)).continued(0)
+    rates = [cool.lr_at(k) for k in range(4, 20)]
+    assert rates[0] == pytest.approx(1e-3) and rates[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in itertools.pairwise(rates))
 
 
 def test_small_continues_after_its_own_stages_with_the_same_digest() -> None:
