@@ -19,6 +19,7 @@ CONTINUATION_WARMUP = 10
 SHORT_ROWS: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8),)
 TWO_SHAPES: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8), (1024, 4, 4))
 THREE_SHAPES: tuple[tuple[int, int, int | None], ...] = ((512, 8, 8), (1024, 4, 4), (2048, 2, 2))
+LONG_ROWS: tuple[tuple[int, int, int | None], ...] = ((1024, 4, 4), (2048, 2, 2))
 # The evidence-attention loss's rows: lookups in programs, latest assignments, chain statements,
 # then the traced multi-hop answers' records and recall blocks as well.
 STATEMENT_ROWS = ("program", "recency", "chain")
@@ -176,6 +177,25 @@ SMALL_CONTINUATIONS: tuple[Continuation, ...] = (
             text=0.1,
         ),
         cycle=THREE_SHAPES,
+        evidence_rows=KEYED_ROWS,
+    ),
+    # 24: pass keys at a third of the rows, and rows of 1K and 2K only (keys at 2K had fallen to 52%)
+    _stage(
+        "keys_long",
+        500,
+        2034,
+        _mix(
+            hops=True,
+            chains=True,
+            passkey=0.35,
+            multihop=0.2,
+            chain=0.15,
+            copy=0.1,
+            repeat=0.02,
+            recall=0.05,
+            text=0.13,
+        ),
+        cycle=LONG_ROWS,
         evidence_rows=KEYED_ROWS,
     ),
 )
