@@ -222,6 +222,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"stage": args.stage, "args": vars(args)}
+    if args.resume and (out / "pilot.json").exists():
+        results = json.loads((out / "pilot.json").read_text()) | results
+    # written before the arms train, so an arm stopped in its probe can still be adopted
+    (out / "pilot.json").write_text(json.dumps(results, indent=2) + "\n")
     if not args.skip_start:
         print("start:", flush=True)
         results["start"] = probe(load_model(args.stage).float().eval())

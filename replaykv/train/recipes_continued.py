@@ -1,6 +1,6 @@
 """The continuation stages of `small` (stages 15 on; :class:`replaykv.train.recipe_spec.Continuation`):
 after its task phase, each stage is one phase at a constant 5e-4 from the previous stage's
-checkpoint, on a mixture aimed at what the bar still missed (why each, and what it scored, in
+checkpoint (or cooling down from it), on a mixture aimed at what the bar still missed (why each, and what it scored, in
 docs/training.md, "Continuation stages"). Each was first run as an arm of
 scripts/pilot_lookups.py, which builds the same one-phase recipe (`Recipe.continued`), with the
 seed given here. Not for: the recipe's own stages (:mod:`replaykv.train.recipes`).
@@ -35,10 +35,12 @@ def _stage(
     evidence_rows: tuple[str, ...] = STATEMENT_ROWS,
     evidence_layers: tuple[int, ...] = (3,),
     evidence: bool = True,
+    min_lr: float | None = None,
 ) -> Continuation:
     """A continuation with the task phase's answer and copy weights (50 and 5), prompts from a
     quarter of the row, top-512 selection and, with `evidence`, the contrastive evidence loss
-    at weight 5 on the last 4 bytes of each record (the value or code an answer copies)."""
+    at weight 5 on the last 4 bytes of each record (the value or code an answer copies); with
+    `min_lr`, the rate cools down to it on a cosine."""
     phase = Phase(
         name,
         steps=steps,
@@ -56,7 +58,7 @@ def _stage(
         evidence_tail=4 if evidence else 0,
         evidence_layers=evidence_layers if evidence else (),
     )
-    return Continuation(phase, CONTINUATION_LR, seed, CONTINUATION_WARMUP)
+    return Continuation(phase, CONTINUATION_LR, seed, CONTINUATION_WARMUP, min_lr)
 
 
 def _mix(alphabet: str = "letters", hops: bool = False, chains: bool = False, **weights: float) -> Mixture:
@@ -197,5 +199,25 @@ SMALL_CONTINUATIONS: tuple[Continuation, ...] = (
         ),
         cycle=LONG_ROWS,
         evidence_rows=KEYED_ROWS,
+    ),
+    # 25: the rate cooled down to a tenth over 300 steps, every row kind of the last stages at once
+    _stage(
+        "cool_down",
+        300,
+        2035,
+        _mix(
+            hops=True,
+            chains=True,
+            passkey=0.3,
+            multihop=0.2,
+            chain=0.2,
+            copy=0.1,
+            repeat=0.02,
+            recall=0.05,
+            text=0.13,
+        ),
+        cycle=THREE_SHAPES,
+        evidence_rows=KEYED_ROWS,
+        min_lr=5e-5,
     ),
 )

@@ -22,6 +22,7 @@ import copy
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,12 @@ def write_stage(
 
 
 def install_stage(tmp: Path, directory: Path, recipe: Recipe, info: dict[str, Any]) -> dict[str, Any]:
-    """Write stage.json (the recipe's name and digest, its stage count, torch, then `info`) and an
-    unscored card into `tmp`, which holds an export, and rename it to `directory` in place of
-    the checkpoint there; returns the stage.json record."""
+    """Write stage.json (the recipe's name and digest, its stage count, torch, then `info`) and a
+    card into `tmp`, which holds an export, and rename it to `directory` in place of the
+    checkpoint there; returns the stage.json record. The card is unscored until `--bar` scores
+    the stage, unless `tmp` came with a bar.json of the recipe's own bar (`--bar-traced` too),
+    scored on these very weights (a pilot's checkpoint scored before it was adopted): then that
+    result is the stage's, its rung goes into the record and the card shows it."""
     record = {
         "recipe": recipe.name,
         "recipe_digest": recipe.digest(),
@@ -100,8 +104,19 @@ def install_stage(tmp: Path, directory: Path, recipe: Recipe, info: dict[str, An
         "torch": torch.__version__,
         **info,
     }
+    result = _carried_bar(tmp, recipe)
+    table: list[str] = []
+    if result is None:
+        (tmp / BAR_FILE).unlink(missing_ok=True)
+    else:
+        from replaykv.train.bar import bar_table
+
+        record.update(rung=result["rung"], bar_digest=result["spec_digest"])
+        result["stage"] = {k: record.get(k) for k in ("stage", "step", "tokens", "seconds", "recipe_digest")}
+        (tmp / BAR_FILE).write_text(json.dumps(result, indent=2) + "\n")
+        table = bar_table(result)
     (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    (tmp / "MODEL_CARD.md").write_text(stage_card(recipe, record, None, []))  # until --bar scores it
+    (tmp / "MODEL_CARD.md").write_text(stage_card(recipe, record, result, table))
     directory.parent.mkdir(parents=True, exist_ok=True)
     old = directory.with_name(directory.name + ".old")
     if old.exists():
@@ -112,6 +127,16 @@ def install_stage(tmp: Path, directory: Path, recipe: Recipe, info: dict[str, An
     if old.exists():
         shutil.rmtree(old)
     return record
+
+
+def _carried_bar(tmp: Path, recipe: Recipe) -> dict[str, Any] | None:
+    """The bar.json in `tmp` when it scored `recipe`'s bar, plain or traced; else None."""
+    path = tmp / BAR_FILE
+    if recipe.bar is None or not path.exists():
+        return None
+    result: dict[str, Any] = json.loads(path.read_text())
+    traced = replace(recipe.bar, trace_hops=True, trace_chains=True)
+    return result if result.get("spec_digest") in (recipe.bar.digest(), traced.digest()) else None
 
 
 def ship_stage(source: Path, target: Path) -> None:

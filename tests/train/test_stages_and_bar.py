@@ -289,6 +289,20 @@ def test_a_stage_scored_on_the_bar_records_its_rung_and_card(tmp_path, corpus, m
     assert traced["spec"]["trace_hops"] and traced["spec"]["trace_chains"] and not saved["spec"]["trace_hops"]
     assert traced["spec_digest"] != saved["spec_digest"] == result["spec_digest"]
     assert stages.read_stage(out / "stage")["bar_digest"] == traced["spec_digest"]  # type: ignore[index]
+    # a checkpoint scored before it was installed as a stage (an adopted pilot's) keeps its score
+    record = {"stage": 2, "step": 9, "tokens": 99, "seconds": 1.0}
+    shutil.copytree(out / "stage", tmp_path / "carried.tmp")
+    info = stages.install_stage(tmp_path / "carried.tmp", tmp_path / "carried", recipe, record)
+    assert info["rung"] == 0 and info["bar_digest"] == traced["spec_digest"]
+    carried = json.loads((tmp_path / "carried" / "bar.json").read_text())
+    assert carried["lengths"] == traced["lengths"] and carried["stage"]["step"] == 9
+    assert "Rung reached: **0**" in (tmp_path / "carried" / "MODEL_CARD.md").read_text()
+    # a bar.json of another bar is dropped, and the card says the stage is not scored
+    shutil.copytree(out / "stage", tmp_path / "other.tmp")
+    (tmp_path / "other.tmp" / "bar.json").write_text(json.dumps({**traced, "spec_digest": "0" * 16}))
+    info = stages.install_stage(tmp_path / "other.tmp", tmp_path / "other", recipe, record)
+    assert "rung" not in info and not (tmp_path / "other" / "bar.json").exists()
+    assert "Not scored on the shipping bar yet" in (tmp_path / "other" / "MODEL_CARD.md").read_text()
 
 
 def test_train_resume_with_no_state_is_one_error_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
