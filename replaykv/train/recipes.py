@@ -167,7 +167,7 @@ def small() -> Recipe:
     6-8    450, 300 and 300 mixture                            8 × 1,024 / 4 × 2,048 /
                                                                2 × 4,096 in turn
     9-14   300 each of the task mixture at `min_lr`            the same in turn
-    15-24  150-800 each, one continuation phase apiece         8 × 512, then with
+    15-26  150-800 each, one continuation phase apiece         8 × 512, then with
            (:mod:`replaykv.train.recipes_continued`)           4 × 1,024 and 2 × 2,048
     =====  ==================================================  ====================
 

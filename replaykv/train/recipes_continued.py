@@ -1,7 +1,8 @@
 """The continuation stages of `small` (stages 15 on; :class:`replaykv.train.recipe_spec.Continuation`):
-after its task phase, each stage is one phase at a constant 5e-4 from the previous stage's
-checkpoint (or cooling down from it), on a mixture aimed at what the bar still missed (why each, and what it scored, in
-docs/training.md, "Continuation stages"). Each was first run as an arm of
+after its task phase, each stage is one phase from the previous stage's checkpoint, at a
+constant 5e-4 or cooling down on a cosine (stages 25 on), on a mixture aimed at what the bar
+still missed (why each, and what it scored, in docs/training.md, "Continuation stages"). Each
+was first run as an arm of
 scripts/pilot_lookups.py, which builds the same one-phase recipe (`Recipe.continued`), with the
 seed given here. Not for: the recipe's own stages (:mod:`replaykv.train.recipes`).
 """
@@ -36,11 +37,12 @@ def _stage(
     evidence_layers: tuple[int, ...] = (3,),
     evidence: bool = True,
     min_lr: float | None = None,
+    lr: float = CONTINUATION_LR,
 ) -> Continuation:
     """A continuation with the task phase's answer and copy weights (50 and 5), prompts from a
     quarter of the row, top-512 selection and, with `evidence`, the contrastive evidence loss
     at weight 5 on the last 4 bytes of each record (the value or code an answer copies); with
-    `min_lr`, the rate cools down to it on a cosine."""
+    `min_lr`, the rate (`lr`) cools down to it on a cosine."""
     phase = Phase(
         name,
         steps=steps,
@@ -58,7 +60,7 @@ def _stage(
         evidence_tail=4 if evidence else 0,
         evidence_layers=evidence_layers if evidence else (),
     )
-    return Continuation(phase, CONTINUATION_LR, seed, CONTINUATION_WARMUP, min_lr)
+    return Continuation(phase, lr, seed, CONTINUATION_WARMUP, min_lr)
 
 
 def _mix(alphabet: str = "letters", hops: bool = False, chains: bool = False, **weights: float) -> Mixture:
@@ -219,5 +221,26 @@ SMALL_CONTINUATIONS: tuple[Continuation, ...] = (
         cycle=THREE_SHAPES,
         evidence_rows=KEYED_ROWS,
         min_lr=5e-5,
+    ),
+    # 26: a second, shorter cool-down from a fifth of the rate, pass keys up, rows of 1K and 2K
+    _stage(
+        "keys_cool",
+        150,
+        2036,
+        _mix(
+            hops=True,
+            chains=True,
+            passkey=0.35,
+            multihop=0.2,
+            chain=0.2,
+            copy=0.08,
+            repeat=0.02,
+            recall=0.05,
+            text=0.1,
+        ),
+        cycle=LONG_ROWS,
+        evidence_rows=KEYED_ROWS,
+        min_lr=1e-5,
+        lr=1e-4,
     ),
 )
