@@ -161,7 +161,7 @@ def test_small_continues_after_its_own_stages_with_the_same_digest() -> None:
         assert sub.name == f"small-stage{len(recipe.stage_ends) + i + 1}" and sub.phases == (c.phase,)
         assert (sub.lr, sub.min_lr, sub.seed, sub.warmup, sub.stages, sub.bar) == (
             c.lr,
-            c.lr,
+            c.lr if c.min_lr is None else c.min_lr,
             c.seed,
             c.warmup,
             (),
